@@ -1,0 +1,178 @@
+"""Flash KV-cache writes (SPEC §3.1): `dsv4::reshape_and_cache_flash` and `_diffkv`.
+
+The Python entry points mirror vLLM's `triton_reshape_and_cache_flash[_diffkv]` (names,
+argument names and order); both names are exported.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import layout, platform
+from ..kernels import cache as kernels
+from ..library import register_op
+from ..reference import cache as reference
+from ._checks import check_int32_extent, check_scale, check_shape, check_tensor
+
+INPUT_DTYPES = layout.FLOAT_CACHE_DTYPES + tuple(f.dtype for f in layout.FP8_FORMATS)
+SLOT_DTYPES = (torch.int64, torch.int32)
+
+
+def _check_tokens(key, value, slot_mapping, k_scale, v_scale, device) -> None:
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=SLOT_DTYPES, device=device)
+    check_tensor("key", key, ndim=3, dtypes=INPUT_DTYPES, device=device)
+    check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=device)
+    num_tokens = slot_mapping.shape[0]
+    for name, t in (("key", key), ("value", value)):
+        if t.shape[0] < num_tokens:
+            raise ValueError(f"{name} has {t.shape[0]} tokens, fewer than slot_mapping's {num_tokens}")
+        check_int32_extent(name, t)
+    if value.shape[1] != key.shape[1]:
+        raise ValueError(f"value has {value.shape[1]} heads, key has {key.shape[1]}")
+    check_scale("k_scale", k_scale, device)
+    check_scale("v_scale", v_scale, device)
+
+
+def check_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                e4m3=layout.E4M3FN):
+    """Validate reshape_and_cache_flash's arguments; return (fp8 format or None, block size, slots)."""
+    check_tensor("key_cache", key_cache, ndim=(4, 5), device=key_cache.device)
+    device = key_cache.device
+    _check_tokens(key, value, slot_mapping, k_scale, v_scale, device)
+    check_tensor("value_cache", value_cache, ndim=4, dtypes=(key_cache.dtype,), device=device)
+    heads, dim = key.shape[1], key.shape[2]
+    if value.shape[2] != dim:
+        raise ValueError(f"value head size {value.shape[2]} differs from key head size {dim}")
+    nb = key_cache.shape[0]
+    if key_cache.dim() == 4:
+        bs = key_cache.shape[1]
+        check_shape("key_cache", key_cache, (nb, bs, heads, dim), "[num_blocks, block_size, num_heads, head_size]")
+        check_shape("value_cache", value_cache, (nb, bs, heads, dim),
+                    "[num_blocks, block_size, num_heads, head_size]")
+    else:
+        bs, x = key_cache.shape[3], key_cache.shape[4]
+        if x < 1 or dim % x:
+            raise ValueError(f"key_cache.shape[4] (x = {x}) must divide the head size {dim}")
+        check_shape("key_cache", key_cache, (nb, heads, dim // x, bs, x), "[num_blocks, num_heads, head_size/x, "
+                    "block_size, x]")
+        check_shape("value_cache", value_cache, (nb, heads, dim, bs), "[num_blocks, num_heads, head_size, block_size]")
+    fmt = layout.resolve_kv_cache_format(kv_cache_dtype, key_cache.dtype, e4m3)
+    check_int32_extent("key_cache", key_cache)
+    check_int32_extent("value_cache", value_cache)
+    return fmt, bs, nb * bs
+
+
+def check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, e4m3=layout.E4M3FN):
+    """Validate reshape_and_cache_flash_diffkv's arguments; return (fp8 format or None, block size, slots)."""
+    check_tensor("kv_cache", kv_cache, ndim=4, device=kv_cache.device)
+    _check_tokens(key, value, slot_mapping, k_scale, v_scale, kv_cache.device)
+    nb, bs = kv_cache.shape[0], kv_cache.shape[1]
+    check_shape("kv_cache", kv_cache, (nb, bs, key.shape[1], key.shape[2] + value.shape[2]),
+                "[num_blocks, block_size, num_heads, head_size_k + head_size_v]")
+    fmt = layout.resolve_kv_cache_format(kv_cache_dtype, kv_cache.dtype, e4m3)
+    check_int32_extent("kv_cache", kv_cache)
+    return fmt, bs, nb * bs
+
+
+_codec = functools.lru_cache(maxsize=256)(kernels.make_codec)
+
+
+def _input_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in layout.FP8_BY_DTYPE else t
+
+
+def _cache_view(cache: torch.Tensor, codec: kernels.Codec) -> torch.Tensor:
+    if codec.out_kind == kernels.BF16:
+        return cache.view(torch.int16)
+    return cache.view(torch.uint8) if cache.dtype == torch.uint8 or cache.dtype in layout.FP8_BY_DTYPE else cache
+
+
+def _flash_kernel(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    target = platform.target_for(key_cache.device)
+    fmt, bs, num_slots = check_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                     k_scale, v_scale, platform.platform_e4m3(target))
+    if slot_mapping.shape[0] == 0:
+        return
+    codec = _codec(key.dtype, key_cache.dtype, fmt, target)
+    kc, vc = _cache_view(key_cache, codec), _cache_view(value_cache, codec)
+    if key_cache.dim() == 4:
+        kgeo, vgeo = kernels.nhd_geometry(kc), kernels.nhd_geometry(vc)
+    else:
+        kgeo, vgeo = kernels.head_major_k_geometry(kc), kernels.head_major_v_geometry(vc)
+    kernels.launch(_input_view(key), _input_view(value), kc, vc, slot_mapping, k_scale, v_scale, num_slots,
+                   kgeo, vgeo, bs, codec, target)
+
+
+def _flash_reference(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    check_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    reference.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                      k_scale, v_scale)
+
+
+def _flash_fake(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    check_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+def _diffkv_kernel(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    target = platform.target_for(kv_cache.device)
+    fmt, bs, num_slots = check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                                            platform.platform_e4m3(target))
+    if slot_mapping.shape[0] == 0:
+        return
+    codec = _codec(key.dtype, kv_cache.dtype, fmt, target)
+    kc = _cache_view(kv_cache, codec)
+    vc = kc[..., key.shape[2]:]
+    kernels.launch(_input_view(key), _input_view(value), kc, vc, slot_mapping, k_scale, v_scale, num_slots,
+                   kernels.nhd_geometry(kc), kernels.nhd_geometry(vc), bs, codec, target)
+
+
+def _diffkv_reference(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    reference.reshape_and_cache_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+def _diffkv_fake(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+_flash_op = register_op(
+    "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()",
+    reference=_flash_reference, kernel=_flash_kernel, fake=_flash_fake)
+
+_diffkv_op = register_op(
+    "reshape_and_cache_flash_diffkv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+    "str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()",
+    reference=_diffkv_reference, kernel=_diffkv_kernel, fake=_diffkv_fake)
+
+
+def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
+                            k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """Write the first T = len(slot_mapping) tokens of `key`/`value` into a paged KV cache.
+
+    key, value: [T_k >= T, H, D], fp16/bf16/fp32 (or fp8, stored without scaling), any strides.
+    key_cache, value_cache: NHD [num_blocks, bs, H, D], or head-major K [num_blocks, H, D//x, bs, x]
+    with V [num_blocks, H, D, bs]; any strides; dtype per `kv_cache_dtype` ("auto"/float names: the
+    cache's own float dtype; "fp8"/"fp8_e4m3": uint8 = platform e4m3, or typed e4m3; "fp8_e5m2").
+    slot_mapping: [T] int64/int32; token t goes to slot s = block*bs + offset; s < 0 or
+    s >= num_blocks*bs skips the token. k_scale, v_scale: 1-element fp32; fp8 caches store
+    saturate(x / scale) with RNE. Mutates key_cache and value_cache; returns None.
+    """
+    _flash_op(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+def reshape_and_cache_flash_diffkv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                                   slot_mapping: torch.Tensor, kv_cache_dtype: str,
+                                   k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """Write K [T_k, H, Dk] and V [T_k, H, Dv] into one cache [num_blocks, bs, H, Dk+Dv].
+
+    K lands in kv_cache[..., :Dk] and V in kv_cache[..., Dk:]; slot and dtype rules are those of
+    `reshape_and_cache_flash`. Mutates kv_cache; returns None.
+    """
+    _diffkv_op(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+triton_reshape_and_cache_flash = reshape_and_cache_flash
+triton_reshape_and_cache_flash_diffkv = reshape_and_cache_flash_diffkv

@@ -1,0 +1,1 @@
+"""Pure-torch references: the CPU implementations and the test oracles. They import only `layout`."""
