@@ -1,0 +1,33 @@
+"""Test-session setup. Without a GPU, Triton kernels run under Triton's interpreter, which must be
+switched on before triton is imported; on a GPU machine they run compiled."""
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before conftest could set TRITON_INTERPRET=1")
+    os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # triton 3.9 warns when unset
+
+import pytest  # noqa: E402
+
+import torch_dsv4_ops  # noqa: E402,F401  (registers the ops)
+
+GPU = torch.cuda.is_available()
+DEVICES = ["cuda"] if GPU else ["cpu"]
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA/ROCm GPU")
+    for item in items:
+        if "gpu" in item.keywords and not GPU:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """The device the op under test runs on: the GPU if present, else CPU (the Triton kernel
+    under the interpreter)."""
+    return torch.device(request.param)

@@ -1,0 +1,421 @@
+"""reshape_and_cache_flash and reshape_and_cache_flash_diffkv (SPEC §3.1, §4 a-c, §5)."""
+import itertools
+import math
+
+import pytest
+import torch
+
+import torch_dsv4_ops as d
+from torch_dsv4_ops import layout, platform
+from torch_dsv4_ops.kernels import cache as kernels
+from torch_dsv4_ops.reference import cache as reference
+from torch_dsv4_ops.testing import (assert_bitwise_equal, changed_mask, check_compile, check_cuda_graph,
+                                    nonzero_share, random_bytes_, run_opcheck, triton_cache_entries)
+
+from conftest import GPU
+
+FLASH = torch.ops.dsv4.reshape_and_cache_flash.default
+DIFFKV = torch.ops.dsv4.reshape_and_cache_flash_diffkv.default
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+
+def e4m3_for(device) -> layout.Fp8Format:
+    return platform.platform_e4m3(platform.target_for(torch.device(device)))
+
+
+def scale_of(x: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """Per-tensor scale amax/64 for fp8 caches (SPEC §5), 1 otherwise."""
+    if not fp8 or x.numel() == 0:
+        return torch.ones(1)
+    return (x.float().abs().amax() / 64).reshape(1)
+
+
+def make_slots(g, n_tokens, num_slots, hostile=True, dtype=torch.int64):
+    """Unique random valid slots, with some tokens replaced by negative or out-of-range slots."""
+    slots = torch.randperm(num_slots, generator=g)[:n_tokens].to(torch.int64)
+    if hostile and n_tokens >= 4:
+        bad = [-1, -2, num_slots, num_slots + 97] if dtype == torch.int32 else \
+              [-1, INT64_MIN, num_slots, INT64_MAX]
+        pos = torch.randperm(n_tokens, generator=g)[:4]
+        slots[pos] = torch.tensor(bad)
+    return slots.to(dtype)
+
+
+def head_major_x(dtype, dim):
+    return math.gcd(16 // max(1, torch.empty((), dtype=dtype).element_size()), dim)
+
+
+class FlashCase:
+    """One reshape_and_cache_flash case: inputs on CPU, caches as views into random-byte bases."""
+
+    def __init__(self, *, layout_="nhd", in_dtype=torch.bfloat16, kv_cache_dtype="auto", cache_dtype=None,
+                 heads=8, dim=64, bs=16, num_blocks=5, tokens=12, extra_tokens=2, interleaved=False,
+                 padded=False, slot_dtype=torch.int64, hostile=True, seed=0, x=None):
+        g = torch.Generator().manual_seed(seed)
+        self.layout, self.kv_cache_dtype = layout_, kv_cache_dtype
+        cache_dtype = cache_dtype or in_dtype
+        fp8_cache = kv_cache_dtype.startswith("fp8")
+        src = torch.randn(2, tokens + extra_tokens, heads, dim, generator=g) * 3
+        if tokens:
+            src[:, 0, 0, :2] = torch.tensor([1e-6, 0.0])   # underflow and zero (saturation: worked example)
+        if in_dtype in layout.FP8_BY_DTYPE:
+            src = src.clamp(-layout.FP8_BY_DTYPE[in_dtype].max, layout.FP8_BY_DTYPE[in_dtype].max)
+        self.key, self.value = src[0].to(in_dtype), src[1].to(in_dtype)
+        self.k_scale = scale_of(self.key.float(), fp8_cache and in_dtype not in layout.FP8_BY_DTYPE)
+        self.v_scale = scale_of(self.value.float(), fp8_cache and in_dtype not in layout.FP8_BY_DTYPE) * 1.5
+        self.slots = make_slots(g, tokens, num_blocks * bs, hostile, slot_dtype)
+        self.x = x or head_major_x(cache_dtype if cache_dtype != torch.uint8 else torch.uint8, dim)
+        self.shape = (num_blocks, bs, heads, dim)
+        self.cache_dtype, self.interleaved, self.padded = cache_dtype, interleaved, padded
+        elems = num_blocks * bs * heads * dim
+        pad = 24 if padded else 0
+        self.base = random_bytes_(torch.empty(2 * (elems + num_blocks * pad), dtype=cache_dtype), g)
+
+    def caches(self, base):
+        nb, bs, h, dim = self.shape
+        page = bs * h * dim
+        if self.interleaved:           # K and V of one token side by side in one allocation
+            both = base[: 2 * nb * page].view(nb, bs, 2, h, dim)
+            return both[:, :, 0], both[:, :, 1]
+        pad = 24 if self.padded else 0
+        pages = base.view(2, nb, page + pad)[:, :, :page]
+        if self.layout == "nhd":
+            return pages[0].view(nb, bs, h, dim), pages[1].view(nb, bs, h, dim)
+        x = self.x
+        return pages[0].view(nb, h, dim // x, bs, x), pages[1].view(nb, h, dim, bs)
+
+    def args(self, device, base):
+        kc, vc = self.caches(base)
+        return (self.key.to(device), self.value.to(device), kc, vc, self.slots.to(device),
+                self.kv_cache_dtype, self.k_scale.to(device), self.v_scale.to(device))
+
+
+def run_flash(case: FlashCase, device):
+    """Run the op on `device` and the reference on CPU from the same random bases; compare every
+    byte of the whole allocation (unwritten tokens, padding and skipped slots keep their bytes)."""
+    base_dev = case.base.clone().to(device)
+    d.reshape_and_cache_flash(*case.args(device, base_dev))
+    base_ref = case.base.clone()
+    reference.reshape_and_cache_flash(*case.args("cpu", base_ref), e4m3=e4m3_for(device))
+    assert_bitwise_equal(base_dev.cpu(), base_ref, "cache allocation")
+    return base_dev.cpu()
+
+
+def written_positions(case: FlashCase):
+    """Independent index oracle: the (kind, block, offset) of every token that must be written."""
+    nb, bs = case.shape[:2]
+    return {(int(s) // bs, int(s) % bs) for s in case.slots.tolist() if 0 <= s < nb * bs}
+
+
+# --- literal worked examples (SPEC §3.1) ---------------------------------------------------------
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_worked_example_slots_and_fp8_bytes(device, impl):
+    if impl == "reference" and device.type != "cpu":
+        pytest.skip("the reference is the CPU implementation")
+    ctx = d.cpu_implementation("reference") if impl == "reference" else _nullcontext()
+    key = torch.zeros(4, 1, 2, device=device)
+    key[0, 0] = torch.tensor([3.0, 300.0])
+    key[3, 0] = torch.tensor([-3.0, 1.0])
+    kc = torch.zeros(2, 16, 1, 2, dtype=torch.uint8, device=device)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([17, -1, -7, 3], device=device)
+    with ctx:
+        d.reshape_and_cache_flash(key, key, kc, vc, slots, "fp8", torch.tensor([0.5], device=device),
+                                  torch.tensor([1.0], device=device))
+    kc = kc.cpu()
+    e4m3fnuz = e4m3_for(device) is layout.E4M3FNUZ
+    assert kc[1, 1, 0].tolist() == ([0x54, 0x7F] if e4m3fnuz else [0x4C, 0x7E])   # 6.0 and saturated 448/240
+    assert kc[0, 3, 0].tolist() == ([0xD4, 0x48] if e4m3fnuz else [0xCC, 0x40])  # -6.0 and 2.0
+    written = changed_mask(torch.zeros_like(kc), kc).any(-1).any(-1)
+    written[1, 1] = written[0, 3] = False
+    assert not written.any(), "skipped tokens (slots -1 and -7) must not be written"
+
+
+def test_worked_example_diffkv(device):
+    key = torch.tensor([[[1.0, 2.0]]], device=device)
+    value = torch.tensor([[[3.0, 4.0, 5.0]]], device=device)
+    kv = torch.full((2, 4, 1, 5), -9.0, device=device)
+    d.reshape_and_cache_flash_diffkv(key, value, kv, torch.tensor([5], device=device), "auto",
+                                     torch.ones(1, device=device), torch.ones(1, device=device))
+    expected = torch.full((2, 4, 1, 5), -9.0)
+    expected[1, 1, 0] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert torch.equal(kv.cpu(), expected)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --- exactness sweeps ---------------------------------------------------------------------------
+SIZES = [(8, 46, 8), (13, 64, 16), (8, 80, 32), (13, 256, 544)]   # (H, D, bs), SPEC §5
+
+
+@pytest.mark.parametrize("layout_", ["nhd", "head_major"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"H{s[0]}D{s[1]}bs{s[2]}")
+def test_auto_exact_whole_cache(device, layout_, dtype, size):
+    heads, dim, bs = size
+    case = FlashCase(layout_=layout_, in_dtype=dtype, heads=heads, dim=dim, bs=bs, num_blocks=3,
+                     tokens=10 if bs < 544 else 6, seed=hash((layout_, str(dtype), size)) % 1000)
+    after = run_flash(case, device)
+    # independent oracle: exactly the valid slots changed, and they hold the input bits
+    kc, vc = case.caches(after)
+    kc0, vc0 = case.caches(case.base)
+    for t, s in enumerate(case.slots.tolist()):
+        if not 0 <= s < case.shape[0] * bs:
+            continue
+        blk, off = s // bs, s % bs
+        if layout_ == "nhd":
+            got_k, got_v = kc[blk, off], vc[blk, off]
+        else:
+            got_k, got_v = kc[blk, :, :, off, :].reshape(heads, dim), vc[blk, :, :, off]
+        assert_bitwise_equal(got_k, case.key[t], f"token {t} K")
+        assert_bitwise_equal(got_v, case.value[t], f"token {t} V")
+    changed = changed_mask(kc0, kc)
+    tokens_changed = changed.any(-1).any(-1) if layout_ == "nhd" else \
+        changed.permute(0, 3, 1, 2, 4).flatten(2).any(-1)
+    assert set(map(tuple, tokens_changed.nonzero().tolist())) <= written_positions(case)
+
+
+FP8_CACHES = [("fp8", torch.uint8), ("fp8_e4m3", torch.uint8), ("fp8_e5m2", torch.uint8),
+              ("fp8", torch.float8_e4m3fn), ("fp8", torch.float8_e4m3fnuz), ("fp8_e5m2", torch.float8_e5m2)]
+
+
+@pytest.mark.parametrize("layout_", ["nhd", "head_major"])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kv", FP8_CACHES, ids=lambda kv: f"{kv[0]}-{str(kv[1])[6:]}")
+def test_fp8_cache_bytes_equal_reference(device, layout_, in_dtype, kv):
+    kv_cache_dtype, cache_dtype = kv
+    heads, dim, bs = SIZES[(FP8_CACHES.index(kv) + [torch.bfloat16, torch.float16, torch.float32].index(in_dtype)) % 3]
+    case = FlashCase(layout_=layout_, in_dtype=in_dtype, kv_cache_dtype=kv_cache_dtype, cache_dtype=cache_dtype,
+                     heads=heads, dim=dim, bs=bs, num_blocks=3, seed=7)
+    after = run_flash(case, device)
+    kc, _ = case.caches(after)
+    # the written bytes decode (in the cache's format, times the scale) close to the input
+    fmt = layout.resolve_kv_cache_format(kv_cache_dtype, cache_dtype, e4m3_for(device))
+    rel = 2.0 ** -(fmt.man_bits + 1)
+    written = 0
+    for t, s in enumerate(case.slots.tolist()):
+        if not 0 <= s < case.shape[0] * bs:
+            continue
+        blk, off = s // bs, s % bs
+        raw = kc[blk, off] if layout_ == "nhd" else kc[blk, :, :, off, :].reshape(heads, dim)
+        got = raw.view(torch.uint8).view(fmt.dtype).float() * case.k_scale
+        want = case.key[t].float().clamp(-fmt.max * case.k_scale.item(), fmt.max * case.k_scale.item())
+        half_subnormal_step = 2.0 ** (-fmt.bias - fmt.man_bits) * case.k_scale
+        assert bool(((got - want).abs() <= rel * want.abs() + half_subnormal_step).all()), f"token {t} decodes wrong"
+        assert nonzero_share(raw) > 0.5
+        written += 1
+    assert written >= 6
+
+
+@pytest.mark.parametrize("in_dtype,cache_dtype,kv_cache_dtype", [
+    (torch.bfloat16, torch.float32, "auto"), (torch.float32, torch.bfloat16, "bfloat16"),
+    (torch.float16, torch.bfloat16, "auto"), (torch.bfloat16, torch.float16, "half"),
+    (torch.float32, torch.float16, "float16"),
+    (torch.float8_e4m3fn, torch.float8_e4m3fn, "fp8"), (torch.float8_e4m3fn, torch.float8_e4m3fnuz, "fp8"),
+    (torch.float8_e5m2, torch.uint8, "fp8"), (torch.float8_e4m3fn, torch.uint8, "fp8_e5m2"),
+    (torch.float8_e4m3fn, torch.bfloat16, "auto"), (torch.float8_e5m2, torch.float32, "auto"),
+])
+def test_conversions(device, in_dtype, cache_dtype, kv_cache_dtype):
+    case = FlashCase(in_dtype=in_dtype, cache_dtype=cache_dtype, kv_cache_dtype=kv_cache_dtype, heads=4, dim=32,
+                     bs=8, num_blocks=3)
+    run_flash(case, device)
+
+
+@pytest.mark.parametrize("variant", ["interleaved", "padded_pages", "int32_slots", "strided_inputs", "no_tokens",
+                                     "padded_key"])
+def test_layout_variants(device, variant):
+    kw = dict(interleaved=variant == "interleaved", padded=variant == "padded_pages",
+              slot_dtype=torch.int32 if variant == "int32_slots" else torch.int64,
+              tokens=0 if variant == "no_tokens" else 10, extra_tokens=5 if variant == "padded_key" else 0)
+    case = FlashCase(kv_cache_dtype="fp8", cache_dtype=torch.uint8, heads=3, dim=48, bs=16, num_blocks=2, **kw)
+    if variant == "strided_inputs":   # key/value as non-contiguous views: [T, H, D] slices of [H, T, 2D]
+        big = torch.randn(case.key.shape[1], case.key.shape[0], 2 * case.key.shape[2]).to(case.key.dtype)
+        case.key = big[:, :, ::2].transpose(0, 1)
+        case.value = big[:, :, 1::2].transpose(0, 1)
+        assert not case.key.is_contiguous()
+    run_flash(case, device)
+
+
+def test_only_hostile_slots_write_nothing(device):
+    case = FlashCase(tokens=6, hostile=False, num_blocks=2, bs=8, heads=2, dim=16)
+    case.slots = torch.tensor([-1, -2, INT64_MIN, 16, 17, INT64_MAX])
+    after = run_flash(case, device)
+    assert_bitwise_equal(after, case.base, "cache after hostile slots")
+
+
+DIFFKV_CASES = [(torch.bfloat16, "auto", torch.bfloat16), (torch.float16, "auto", torch.float16),
+                (torch.float32, "bfloat16", torch.bfloat16), (torch.bfloat16, "fp8", torch.uint8),
+                (torch.bfloat16, "fp8_e5m2", torch.uint8), (torch.float16, "fp8", torch.float8_e4m3fnuz)]
+
+
+@pytest.mark.parametrize("in_dtype,kv_cache_dtype,cache_dtype", DIFFKV_CASES)
+def test_diffkv_exact(device, in_dtype, kv_cache_dtype, cache_dtype):
+    g = torch.Generator().manual_seed(3)
+    nb, bs, heads, dk, dv, tokens = 3, 8, 3, 40, 24, 10
+    key = (torch.randn(tokens + 2, heads, dk, generator=g) * 4).to(in_dtype)
+    value = (torch.randn(tokens + 2, heads, dv, generator=g) * 4).to(in_dtype)
+    base = random_bytes_(torch.empty(nb, bs, heads, dk + dv + 8, dtype=cache_dtype), g)   # padded rows
+    slots = make_slots(g, tokens, nb * bs)
+    fp8 = kv_cache_dtype.startswith("fp8")
+    ks, vs = scale_of(key, fp8), scale_of(value, fp8) * 0.75
+    dev = base.clone().to(device)
+    d.reshape_and_cache_flash_diffkv(key.to(device), value.to(device), dev[..., : dk + dv], slots.to(device),
+                                     kv_cache_dtype, ks.to(device), vs.to(device))
+    ref = base.clone()
+    reference.reshape_and_cache_flash_diffkv(key, value, ref[..., : dk + dv], slots, kv_cache_dtype, ks, vs,
+                                             e4m3=e4m3_for(device))
+    assert_bitwise_equal(dev.cpu(), ref, "diffkv cache")
+    if kv_cache_dtype == "auto":   # independent check of placement
+        for t, s in enumerate(slots.tolist()):
+            if 0 <= s < nb * bs:
+                assert_bitwise_equal(dev.cpu()[s // bs, s % bs, :, :dk], key[t], "K half")
+                assert_bitwise_equal(dev.cpu()[s // bs, s % bs, :, dk:dk + dv], value[t], "V half")
+
+
+# --- errors -------------------------------------------------------------------------------------
+def _good_args(device="cpu"):
+    case = FlashCase(heads=2, dim=16, bs=4, num_blocks=2, tokens=3, hostile=False)
+    return list(case.args(device, case.base.clone()))
+
+
+@pytest.mark.parametrize("mutate,exc,words", [
+    (lambda a: a.__setitem__(4, a[4].float()), ValueError, "slot_mapping"),
+    (lambda a: a.__setitem__(4, a[4].view(1, -1)), ValueError, "slot_mapping"),
+    (lambda a: a.__setitem__(0, a[0][0]), ValueError, "key"),
+    (lambda a: a.__setitem__(1, a[1].float()), ValueError, "value"),
+    (lambda a: a.__setitem__(0, a[0][:1]), ValueError, "fewer than slot_mapping"),
+    (lambda a: a.__setitem__(5, "fp4"), ValueError, "kv_cache_dtype"),
+    (lambda a: a.__setitem__(5, "fp8"), ValueError, "kv_cache_dtype"),         # bf16 cache with fp8 string
+    (lambda a: a.__setitem__(6, torch.ones(2)), ValueError, "k_scale"),
+    (lambda a: a.__setitem__(7, torch.ones(1, dtype=torch.float16)), ValueError, "v_scale"),
+    (lambda a: a.__setitem__(3, a[3][:, :, :1]), ValueError, "value_cache"),
+    (lambda a: a.__setitem__(2, a[2].unsqueeze(0)), ValueError, "key_cache"),
+    (lambda a: a.__setitem__(3, a[3].float()), ValueError, "value_cache"),
+])
+def test_bad_input_errors(mutate, exc, words):
+    args = _good_args()
+    mutate(args)
+    with pytest.raises(exc, match=words):
+        d.reshape_and_cache_flash(*args)
+
+
+def test_bad_input_uint8_cache_with_auto():
+    args = _good_args()
+    args[2] = torch.zeros(2, 4, 2, 16, dtype=torch.uint8)
+    args[3] = torch.zeros(2, 4, 2, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="kv_cache_dtype='auto'"):
+        d.reshape_and_cache_flash(*args)
+
+
+def test_bad_input_head_major_x():
+    args = _good_args()
+    args[2] = torch.zeros(2, 2, 3, 4, 5)   # x = 5 does not divide D = 16
+    args[3] = torch.zeros(2, 2, 16, 4)
+    args[0], args[1] = args[0].float(), args[1].float()
+    with pytest.raises(ValueError, match="x = 5"):
+        d.reshape_and_cache_flash(*args)
+
+
+def test_bad_input_diffkv_shape():
+    key, value = torch.zeros(3, 2, 4), torch.zeros(3, 2, 5)
+    with pytest.raises(ValueError, match="kv_cache"):
+        d.reshape_and_cache_flash_diffkv(key, value, torch.zeros(2, 4, 2, 8), torch.zeros(3, dtype=torch.long),
+                                         "auto", torch.ones(1), torch.ones(1))
+
+
+@pytest.mark.gpu
+def test_bad_input_device_mismatch():
+    args = _good_args("cuda")
+    args[4] = args[4].cpu()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        d.reshape_and_cache_flash(*args)
+
+
+# --- composition --------------------------------------------------------------------------------
+def _opcheck_cases(device):
+    auto = FlashCase(heads=2, dim=16, bs=4, num_blocks=2, tokens=5)
+    fp8 = FlashCase(heads=2, dim=16, bs=4, num_blocks=2, tokens=5, kv_cache_dtype="fp8", cache_dtype=torch.uint8)
+    hm = FlashCase(layout_="head_major", heads=2, dim=16, bs=4, num_blocks=2, tokens=5)
+    return {"auto": auto.args(device, auto.base.clone().to(device)),
+            "fp8": fp8.args(device, fp8.base.clone().to(device)),
+            "head_major": hm.args(device, hm.base.clone().to(device))}
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("kind", ["auto", "fp8", "head_major"])
+def test_opcheck_flash(device, impl, kind):
+    if impl == "reference" and device.type != "cpu":
+        pytest.skip("the reference is the CPU implementation")
+    ctx = d.cpu_implementation(impl) if device.type == "cpu" else _nullcontext()
+    args = _opcheck_cases(device)[kind]
+    with ctx:
+        # caches stay as given (their layout is the op's contract); inputs get non-contiguous copies
+        run_opcheck(FLASH, args, permute=lambda i, t: i in (0, 1))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_opcheck_diffkv(device, impl):
+    if impl == "reference" and device.type != "cpu":
+        pytest.skip("the reference is the CPU implementation")
+    ctx = d.cpu_implementation(impl) if device.type == "cpu" else _nullcontext()
+    key, value = torch.randn(5, 2, 8, device=device), torch.randn(5, 2, 4, device=device)
+    kv = torch.zeros(3, 4, 2, 12, device=device)
+    args = (key, value, kv, torch.tensor([0, 5, -1, 11, 3], device=device), "auto",
+            torch.ones(1, device=device), torch.ones(1, device=device))
+    with ctx:
+        run_opcheck(DIFFKV, args, permute=lambda i, t: i in (0, 1))
+
+
+def test_compile_no_recompile(device):
+    """fullgraph + dynamic: one graph for several token counts (sizes >= 2 avoid 0/1 specialisation)."""
+    kc = torch.zeros(4, 8, 2, 16, dtype=torch.uint8, device=device)
+
+    def step(key, value, key_cache, value_cache, slots, k_scale, v_scale):
+        d.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "fp8", k_scale, v_scale)
+        return key_cache, value_cache
+
+    inputs = []
+    for n in (3, 7, 12):
+        g = torch.Generator().manual_seed(n)
+        inputs.append((torch.randn(n, 2, 16, generator=g).to(device), torch.randn(n, 2, 16, generator=g).to(device),
+                       kc.clone(), kc.clone(), torch.randperm(32, generator=g)[:n].to(device),
+                       torch.tensor([0.05], device=device), torch.tensor([0.1], device=device)))
+    before = triton_cache_entries(kernels.flash_cache_write_kernel)
+    check_compile(step, inputs)
+    if device.type == "cuda":   # one Triton specialisation for all token counts
+        assert triton_cache_entries(kernels.flash_cache_write_kernel) - before <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype,cache_dtype", [("auto", torch.bfloat16), ("fp8", torch.uint8)])
+def test_cuda_graph_replay(kv_cache_dtype, cache_dtype):
+    heads, dim, nb, bs, n = 8, 128, 64, 16, 48
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        key = torch.randn(n, heads, dim, generator=g).to(torch.bfloat16)
+        value = torch.randn(n, heads, dim, generator=g).to(torch.bfloat16)
+        slots = make_slots(g, n, nb * bs)
+        caches = random_bytes_(torch.empty(2, nb, bs, heads, dim, dtype=cache_dtype), g)
+        return [key.cuda(), value.cuda(), caches[0].cuda(), caches[1].cuda(), slots.cuda(),
+                torch.tensor([0.04 + seed / 100]).cuda(), torch.tensor([0.03]).cuda()]
+
+    def step(key, value, kc, vc, slots, ks, vs):
+        d.reshape_and_cache_flash(key, value, kc, vc, slots, kv_cache_dtype, ks, vs)
+
+    check_cuda_graph(step, inputs(0), [inputs(1), inputs(2)])
+
+
+@pytest.mark.gpu
+def test_large_random_batch_matches_reference():
+    """Benchmark-sized shapes: T = 4096, H = 8, D = 128, bs = 16, random slots, bf16 and fp8."""
+    for kv, cdt in (("auto", torch.bfloat16), ("fp8", torch.uint8), ("fp8_e5m2", torch.uint8)):
+        case = FlashCase(kv_cache_dtype=kv, cache_dtype=cdt, heads=8, dim=128, bs=16, num_blocks=600,
+                         tokens=4096, seed=11)
+        run_flash(case, "cuda")

@@ -1,0 +1,220 @@
+"""The test harness shared by every op family: comparisons, output poisoning, opcheck over
+several memory layouts, the torch.compile checker and the CUDA-graph checker.
+
+Used by tests/ and by the self-check (`python -m torch_dsv4_ops`); importing it costs nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from . import layout
+
+# atol = rtol for toleranced comparisons (SPEC §5, attention)
+TOLERANCES = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-3}
+
+SENTINEL_BYTE = 0xA5   # poison: -3.0e-16-ish in fp16/bf16, a NaN-free e4m3/e5m2 code, 165 as uint8
+
+
+# --- comparisons --------------------------------------------------------------------------------
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of `t` (any dtype, any strides), for bit-exact comparison."""
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(-1).view(torch.uint8)
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Every bit equal (NaN payloads and -0 included); reports the first mismatching elements."""
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise AssertionError(f"{what}: shape/dtype {tuple(actual.shape)} {actual.dtype} "
+                             f"!= {tuple(expected.shape)} {expected.dtype}")
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    ab, eb = as_bytes(a).view(a.shape + (-1,)), as_bytes(e).view(e.shape + (-1,))
+    bad = (ab != eb).any(-1)
+    if bad.any():
+        idx = bad.nonzero()[:5].tolist()
+        samples = [(i, a[tuple(i)].item(), e[tuple(i)].item()) for i in idx]
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements differ; first "
+                             f"(index, actual, expected): {samples}")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float | None = None,
+                 rtol: float | None = None, what: str = "") -> None:
+    """|a - e| <= atol + rtol*|e| elementwise, in float64; NaN positions must match."""
+    tol = TOLERANCES.get(actual.dtype, 2e-3)
+    atol = tol if atol is None else atol
+    rtol = tol if rtol is None else rtol
+    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
+    if a.shape != e.shape:
+        raise AssertionError(f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}")
+    if not torch.equal(a.isnan(), e.isnan()):
+        raise AssertionError(f"{what}: NaN positions differ")
+    err = (a - e).abs().nan_to_num(0.0)
+    bad = err > atol + rtol * e.abs().nan_to_num(0.0)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{what}: {int(bad.sum())} elements out of tolerance (atol {atol}, rtol {rtol}); "
+                             f"max err {err.max().item():.3g}; at {i}: {a[i].item()} vs {e[i].item()}")
+
+
+# --- poisoning ----------------------------------------------------------------------------------
+def poison_(t: torch.Tensor, byte: int = SENTINEL_BYTE) -> torch.Tensor:
+    """Fill every byte of `t`'s elements with `byte` (in place); returns t."""
+    flat = t.view(torch.uint8) if t.element_size() == 1 else None
+    if flat is not None:
+        flat.fill_(byte)
+    else:
+        pattern = torch.full((t.element_size(),), byte, dtype=torch.uint8).view(t.dtype)
+        t.fill_(pattern.item() if t.dtype.is_floating_point else int(pattern))
+    return t
+
+
+def random_bytes_(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill `t` with random bytes (a sentinel that is different everywhere; NaN codes possible)."""
+    raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=generator)
+    t.copy_(raw.view(t.dtype).view(t.shape))
+    return t
+
+
+def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """Bool mask (shape of the tensor) of elements whose bytes changed."""
+    b, a = as_bytes(before.cpu()), as_bytes(after.cpu())
+    return (b.view(before.shape + (-1,)) != a.view(after.shape + (-1,))).any(-1)
+
+
+# --- inputs -------------------------------------------------------------------------------------
+def permuted_copy(t: torch.Tensor) -> torch.Tensor:
+    """Same shape and values, reversed stride order (a non-contiguous layout of the same data)."""
+    if t.dim() < 2:
+        return t
+    order = list(range(t.dim()))[::-1]
+    return t.permute(order).contiguous().permute(order)
+
+
+def padded_copy(t: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """Same shape and values, each row of the last dim padded: stride(-2) > size(-1)."""
+    if t.dim() < 2:
+        return t
+    big = t.new_zeros(t.shape[:-1] + (t.shape[-1] + pad,))
+    view = big[..., : t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+# --- opcheck ------------------------------------------------------------------------------------
+def run_opcheck(op, args: Sequence, *, layouts: Iterable[str] = ("contiguous", "permuted", "padded"),
+                permute: Callable[[int, torch.Tensor], bool] | None = None, **opcheck_kwargs) -> None:
+    """torch.library.opcheck (all four utilities) on `args`, and on non-contiguous copies of them.
+
+    `permute(i, t)` selects which tensor arguments get the non-contiguous layouts (default: all
+    with dim >= 2). Raises on the first failure, naming the layout.
+    """
+    makers = {"contiguous": lambda t: t, "permuted": permuted_copy, "padded": padded_copy}
+    choose = permute or (lambda i, t: t.dim() >= 2)
+    for name in layouts:
+        case = [makers[name](a) if isinstance(a, torch.Tensor) and choose(i, a) else
+                (a.clone() if isinstance(a, torch.Tensor) else a) for i, a in enumerate(args)]
+        try:
+            torch.library.opcheck(op, tuple(case), **opcheck_kwargs)
+        except Exception as exc:   # re-raise naming the layout
+            raise AssertionError(f"opcheck({op}) failed with {name} inputs: {exc}") from exc
+
+
+# --- torch.compile ------------------------------------------------------------------------------
+def check_compile(fn: Callable, inputs: Sequence[Sequence], *, backend: str = "inductor",
+                  compare: Callable | None = None) -> int:
+    """Compile `fn` with fullgraph=True, dynamic=True; call it on each input tuple (different token
+    counts); assert one graph compiled in all (no recompiles, no graph breaks: fullgraph raises)
+    and the results equal eager's. Inputs are cloned per run. Returns the frame count.
+    """
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=counter)
+    compare = compare or (lambda a, e: assert_bitwise_equal(a, e, "compiled vs eager"))
+    for args in inputs:
+        eager = fn(*_clone_all(args))
+        got = compiled(*_clone_all(args))
+        for a, e in zip(_as_tuple(got), _as_tuple(eager)):
+            compare(a, e)
+    if counter.frame_count != 1:
+        raise AssertionError(f"expected one compiled graph across {len(inputs)} input sizes, "
+                             f"got {counter.frame_count} (recompiles)")
+    return counter.frame_count
+
+
+def _clone_all(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+# --- CUDA graphs --------------------------------------------------------------------------------
+def check_cuda_graph(fn: Callable, static_args: Sequence, new_values: Sequence[Sequence],
+                     compare: Callable | None = None) -> None:
+    """Capture `fn(*static_args)` in a CUDA graph; for each entry of `new_values` (same shapes),
+    copy the values into the static buffers, replay, and compare every tensor argument (mutated
+    outputs included) and the return value with an eager run on clones of the same values.
+    Eager runs and capture run under torch.cuda.set_sync_debug_mode("error").
+    """
+    compare = compare or (lambda a, e: assert_bitwise_equal(a, e, "graph replay vs eager"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), sync_debug_error():
+        fn(*static_args)                      # warm up (compiles the kernel) outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), sync_debug_error():
+        out = fn(*static_args)
+    for values in new_values:
+        for buf, v in zip(static_args, values):
+            if isinstance(buf, torch.Tensor):
+                buf.copy_(v)
+        eager_args = _clone_all(values)
+        with sync_debug_error():
+            expected = fn(*eager_args)
+        graph.replay()
+        torch.cuda.synchronize()
+        for buf, e in zip(static_args, eager_args):
+            if isinstance(buf, torch.Tensor):
+                compare(buf, e)
+        if out is not None:
+            for a, e in zip(_as_tuple(out), _as_tuple(expected)):
+                compare(a, e)
+
+
+@contextlib.contextmanager
+def sync_debug_error():
+    """Any host-device synchronisation inside raises (CUDA only; a no-op elsewhere)."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def triton_cache_entries(kernel) -> int:
+    """How many compiled specialisations a @triton.jit kernel holds (all devices)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        return len(getattr(kernel, "cache", {}).get(0, {})) if hasattr(kernel, "cache") else 0
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def nonzero_share(t: torch.Tensor) -> float:
+    """Fraction of non-zero bytes: guards against fp8 caches that silently hold only zeros."""
+    b = as_bytes(t.cpu())
+    return float((b != 0).float().mean()) if b.numel() else 0.0
+
+
+def fp8_format_of(t: torch.Tensor) -> layout.Fp8Format | None:
+    return layout.FP8_BY_DTYPE.get(t.dtype)
