@@ -228,7 +228,7 @@ def test_conversions(device, in_dtype, cache_dtype, kv_cache_dtype):
 
 
 @pytest.mark.parametrize("variant", ["interleaved", "padded_pages", "int32_slots", "strided_inputs", "no_tokens",
-                                     "padded_key"])
+                                     "padded_key", "strided_slots"])
 def test_layout_variants(device, variant):
     kw = dict(interleaved=variant == "interleaved", padded=variant == "padded_pages",
               slot_dtype=torch.int32 if variant == "int32_slots" else torch.int64,
@@ -239,6 +239,9 @@ def test_layout_variants(device, variant):
         case.key = big[:, :, ::2].transpose(0, 1)
         case.value = big[:, :, 1::2].transpose(0, 1)
         assert not case.key.is_contiguous()
+    if variant == "strided_slots":   # slot_mapping as a strided view
+        case.slots = torch.stack([case.slots, torch.full_like(case.slots, -5)], 1)[:, 0]
+        assert case.slots.stride(0) == 2
     run_flash(case, device)
 
 
@@ -281,7 +284,7 @@ def test_diffkv_exact(device, in_dtype, kv_cache_dtype, cache_dtype):
 # --- errors -------------------------------------------------------------------------------------
 def _good_args(device="cpu"):
     case = FlashCase(heads=2, dim=16, bs=4, num_blocks=2, tokens=3, hostile=False)
-    return list(case.args(device, case.base.clone()))
+    return list(case.args(device, case.base.clone().to(device)))
 
 
 @pytest.mark.parametrize("mutate,exc,words", [

@@ -30,6 +30,7 @@ class OpCard:
     reference: Callable               # CPU implementation / test oracle (same arguments as the op)
     kernel: Callable                  # Triton launcher (same arguments as the op)
     fake: Callable
+    examples: Callable | None = None  # () -> {label: args on CPU}, for the self-check
     op: torch._ops.OpOverload = None  # torch.ops.dsv4.<name>.default
 
 
@@ -61,11 +62,13 @@ def cpu_implementation(which: str):
         _CPU.triton = previous
 
 
-def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Callable) -> torch._ops.OpOverload:
+def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Callable,
+                examples: Callable | None = None) -> torch._ops.OpOverload:
     """Define `dsv4::<schema>`, register its three implementations and return the bound overload.
 
     `reference` and `kernel` each validate their arguments (the shared validator of the family)
     and return what the schema says; `fake` validates and allocates with `new_empty` only.
+    `examples()` returns {label: argument tuple on CPU} of realistic inputs for the self-check.
     """
     name = schema.split("(", 1)[0]
     if name in OPS:
@@ -79,5 +82,5 @@ def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Cal
     _LIB.impl(name, cpu_impl, "CPU")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
-    OPS[name] = OpCard(name, schema, reference, kernel, fake, op)
+    OPS[name] = OpCard(name, schema, reference, kernel, fake, examples, op)
     return op

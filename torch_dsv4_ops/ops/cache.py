@@ -5,8 +5,6 @@ argument names and order); both names are exported.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import layout, platform
@@ -75,33 +73,77 @@ def check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_sca
     return fmt, bs, nb * bs
 
 
-_codec = functools.lru_cache(maxsize=256)(kernels.make_codec)
+class _Plan:
+    """What a launch needs that depends only on the arguments' metadata (shapes, strides, dtypes,
+    devices, kv_cache_dtype), never on their values: built once per signature, then reused."""
+
+    __slots__ = ("tokens", "grid", "in_view", "cache_view", "ints", "constexpr_values", "meta", "device")
+
+    def __init__(self, *, key, value, kc, vc, slot_mapping, fmt, block_size, num_slots, kgeo, vgeo, vc_start):
+        self.device = kc.device
+        target = platform.target_for(self.device)
+        codec = kernels.make_codec(key.dtype, kc.dtype, fmt, target)
+        self.tokens = slot_mapping.shape[0]
+        self.in_view = torch.uint8 if key.dtype in layout.FP8_BY_DTYPE else None
+        if codec.out_kind == kernels.BF16:
+            self.cache_view = torch.int16
+        elif kc.dtype in layout.FP8_BY_DTYPE:
+            self.cache_view = torch.uint8
+        else:
+            self.cache_view = None
+        heads, dk, dv = key.shape[1], key.shape[2], value.shape[2]
+        self.meta = kernels.constexprs(heads, dk, dv, kgeo, vgeo, block_size, codec, target)
+        self.constexpr_values = kernels.LAUNCHER.constexpr_values(self.meta)
+        self.grid = (self.tokens, -(-heads // self.meta["BLOCK_H"]))
+        self.ints = kernels.runtime_args(num_slots, slot_mapping.stride(0), vc_start, key.stride(), value.stride(),
+                                         kgeo, vgeo)
+
+    def launch(self, key, value, kc, vc, slot_mapping, k_scale, v_scale) -> None:
+        if self.tokens == 0:
+            return
+        if self.in_view is not None:
+            key, value = key.view(self.in_view), value.view(self.in_view)
+        if self.cache_view is not None:
+            kc, vc = kc.view(self.cache_view), (kc.view(self.cache_view) if vc is None else vc.view(self.cache_view))
+        elif vc is None:
+            vc = kc
+        args = (key, value, kc, vc, slot_mapping, k_scale, v_scale) + self.ints
+        if self.device.type != "cuda" or self.device.index == torch.cuda.current_device():
+            kernels.LAUNCHER(self.grid, args, 7, self.constexpr_values, self.meta, self, self.device)
+        else:
+            with torch.cuda.device(self.device):
+                kernels.LAUNCHER(self.grid, args, 7, self.constexpr_values, self.meta, self, self.device)
 
 
-def _input_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype in layout.FP8_BY_DTYPE else t
+_PLANS: dict = {}
+_MAX_PLANS = 4096
 
 
-def _cache_view(cache: torch.Tensor, codec: kernels.Codec) -> torch.Tensor:
-    if codec.out_kind == kernels.BF16:
-        return cache.view(torch.int16)
-    return cache.view(torch.uint8) if cache.dtype == torch.uint8 or cache.dtype in layout.FP8_BY_DTYPE else cache
+def _remember(sig, plan: _Plan) -> _Plan:
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[sig] = plan
+    return plan
 
 
 def _flash_kernel(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
-    target = platform.target_for(key_cache.device)
-    fmt, bs, num_slots = check_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                     k_scale, v_scale, platform.platform_e4m3(target))
-    if slot_mapping.shape[0] == 0:
-        return
-    codec = _codec(key.dtype, key_cache.dtype, fmt, target)
-    kc, vc = _cache_view(key_cache, codec), _cache_view(value_cache, codec)
-    if key_cache.dim() == 4:
-        kgeo, vgeo = kernels.nhd_geometry(kc), kernels.nhd_geometry(vc)
-    else:
-        kgeo, vgeo = kernels.head_major_k_geometry(kc), kernels.head_major_v_geometry(vc)
-    kernels.launch(_input_view(key), _input_view(value), kc, vc, slot_mapping, k_scale, v_scale, num_slots,
-                   kgeo, vgeo, bs, codec, target)
+    sig = ("flash", key.shape, key.stride(), key.dtype, key.device, value.shape, value.stride(), value.dtype,
+           value.device, key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device, value_cache.shape,
+           value_cache.stride(), value_cache.dtype, value_cache.device, slot_mapping.shape, slot_mapping.stride(),
+           slot_mapping.dtype, slot_mapping.device, k_scale.shape, k_scale.dtype, k_scale.device, v_scale.shape,
+           v_scale.dtype, v_scale.device, kv_cache_dtype)
+    plan = _PLANS.get(sig)
+    if plan is None:
+        e4m3 = platform.platform_e4m3(platform.target_for(key_cache.device))
+        fmt, bs, num_slots = check_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                         k_scale, v_scale, e4m3)
+        if key_cache.dim() == 4:
+            kgeo, vgeo = kernels.nhd_geometry(key_cache), kernels.nhd_geometry(value_cache)
+        else:
+            kgeo, vgeo = kernels.head_major_k_geometry(key_cache), kernels.head_major_v_geometry(value_cache)
+        plan = _remember(sig, _Plan(key=key, value=value, kc=key_cache, vc=value_cache, slot_mapping=slot_mapping,
+                                    fmt=fmt, block_size=bs, num_slots=num_slots, kgeo=kgeo, vgeo=vgeo, vc_start=0))
+    plan.launch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def _flash_reference(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
@@ -115,16 +157,20 @@ def _flash_fake(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype
 
 
 def _diffkv_kernel(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
-    target = platform.target_for(kv_cache.device)
-    fmt, bs, num_slots = check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-                                            platform.platform_e4m3(target))
-    if slot_mapping.shape[0] == 0:
-        return
-    codec = _codec(key.dtype, kv_cache.dtype, fmt, target)
-    kc = _cache_view(kv_cache, codec)
-    vc = kc[..., key.shape[2]:]
-    kernels.launch(_input_view(key), _input_view(value), kc, vc, slot_mapping, k_scale, v_scale, num_slots,
-                   kernels.nhd_geometry(kc), kernels.nhd_geometry(vc), bs, codec, target)
+    sig = ("diffkv", key.shape, key.stride(), key.dtype, key.device, value.shape, value.stride(), value.dtype,
+           value.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, slot_mapping.shape,
+           slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device, k_scale.shape, k_scale.dtype,
+           k_scale.device, v_scale.shape, v_scale.dtype, v_scale.device, kv_cache_dtype)
+    plan = _PLANS.get(sig)
+    if plan is None:
+        e4m3 = platform.platform_e4m3(platform.target_for(kv_cache.device))
+        fmt, bs, num_slots = check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
+                                                v_scale, e4m3)
+        geo = kernels.nhd_geometry(kv_cache)   # V is the same cache, starting key.shape[2] elements in
+        plan = _remember(sig, _Plan(key=key, value=value, kc=kv_cache, vc=kv_cache, slot_mapping=slot_mapping,
+                                    fmt=fmt, block_size=bs, num_slots=num_slots, kgeo=geo, vgeo=geo,
+                                    vc_start=key.shape[2] * kv_cache.stride(3)))
+    plan.launch(key, value, kv_cache, None, slot_mapping, k_scale, v_scale)
 
 
 def _diffkv_reference(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
@@ -136,15 +182,46 @@ def _diffkv_fake(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_
     check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
 
+def _flash_examples():
+    """Realistic inputs: 256 tokens, 8 KV heads of 128, block size 16, random slots with padding."""
+    g = torch.Generator().manual_seed(0)
+    tokens, heads, dim, bs, nb = 256, 8, 128, 16, 64
+    key = torch.randn(tokens, heads, dim, generator=g).to(torch.bfloat16)
+    value = torch.randn(tokens, heads, dim, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(nb * bs, generator=g)[:tokens]
+    slots[::17] = -1
+    scale = (key.float().abs().amax() / 64).reshape(1)
+    nhd = (nb, bs, heads, dim)
+    x = layout.head_major_x(torch.bfloat16)
+    return {
+        "bf16 auto NHD": (key, value, torch.zeros(nhd, dtype=torch.bfloat16), torch.zeros(nhd, dtype=torch.bfloat16),
+                          slots, "auto", torch.ones(1), torch.ones(1)),
+        "bf16->fp8 NHD": (key, value, torch.zeros(nhd, dtype=torch.uint8), torch.zeros(nhd, dtype=torch.uint8),
+                          slots, "fp8", scale, scale),
+        "bf16->e5m2 head-major": (key, value, torch.zeros(nb, heads, dim // x, bs, x, dtype=torch.uint8),
+                                  torch.zeros(nb, heads, dim, bs, dtype=torch.uint8), slots, "fp8_e5m2", scale, scale),
+    }
+
+
+def _diffkv_examples():
+    g = torch.Generator().manual_seed(1)
+    tokens, heads, dk, dv, bs, nb = 256, 8, 192, 128, 16, 64
+    key = torch.randn(tokens, heads, dk, generator=g).to(torch.bfloat16)
+    value = torch.randn(tokens, heads, dv, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(nb * bs, generator=g)[:tokens]
+    return {"bf16 auto": (key, value, torch.zeros(nb, bs, heads, dk + dv, dtype=torch.bfloat16), slots, "auto",
+                          torch.ones(1), torch.ones(1))}
+
+
 _flash_op = register_op(
     "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()",
-    reference=_flash_reference, kernel=_flash_kernel, fake=_flash_fake)
+    reference=_flash_reference, kernel=_flash_kernel, fake=_flash_fake, examples=_flash_examples)
 
 _diffkv_op = register_op(
     "reshape_and_cache_flash_diffkv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
     "str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()",
-    reference=_diffkv_reference, kernel=_diffkv_kernel, fake=_diffkv_fake)
+    reference=_diffkv_reference, kernel=_diffkv_kernel, fake=_diffkv_fake, examples=_diffkv_examples)
 
 
 def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

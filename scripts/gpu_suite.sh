@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine: `bash scripts/gpu_suite.sh` from the repo root, with $OUT set.
+# Writes (5 files): $OUT/env.txt, $OUT/gpu_tests.log, $OUT/bench.log, $OUT/bench/bench_cache.{json,png}.
+# Runs the benchmarks even when tests fail; exits with pytest's status.
+set -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT/bench"
+unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  nvidia-smi || echo "nvidia-smi failed"
+  python3 --version
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__); print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
+} > "$OUT/env.txt" 2>&1
+
+# No network there: wheels we carry (e.g. expecttest) go to /tmp/site, the checkout is installed in place.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> "$OUT/env.txt" 2>&1 \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install --no-deps --no-build-isolation -e . -q >> "$OUT/env.txt" 2>&1 \
+  || echo "pip install -e . failed (see env.txt); running from the checkout" | tee -a "$OUT/env.txt"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+echo "==== GPU tests ===="
+timeout -k 10 300 python3 -m pytest -q tests -p no:cacheprovider -m "not slow" 2>&1 | tee "$OUT/gpu_tests.log"
+test_rc=$?
+
+echo "==== benchmarks ===="
+timeout -k 10 240 python3 -m benchmarks.run --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
+bench_rc=$?
+
+echo
+echo "==== gpu_suite summary ===="
+head -n 1 "$OUT/env.txt"
+grep -m1 -E "torch .* triton" "$OUT/env.txt"
+grep -m1 "^device" "$OUT/env.txt"
+echo "pytest (rc=$test_rc): $(tail -n 1 "$OUT/gpu_tests.log")"
+[ "$test_rc" = 124 ] && echo "pytest hit its 300 s timeout"
+if grep -q "^==== summary" "$OUT/bench.log"; then
+  sed -n '/^==== summary/,$p' "$OUT/bench.log"
+else
+  echo "no benchmark summary; last lines of bench.log:"
+  tail -n 30 "$OUT/bench.log"
+fi
+echo "benchmarks rc=$bench_rc$([ "$bench_rc" = 124 ] && echo ' (hit its 240 s timeout; partial JSON in bench/)')"
+exit "$test_rc"

@@ -1,0 +1,50 @@
+"""The benchmark runner keeps working: a CPU smoke run (`--quick --device cpu`) writes the JSON it promises."""
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+HEADER_KEYS = ("family", "device", "device_type", "torch", "triton", "date", "quick", "methods", "copy_ceiling",
+               "cases", "host_overhead", "targets", "all_targets_pass", "errors")
+CASE_KEYS = ("name", "series", "params", "method", "bytes", "nsets", "us", "gbps", "pct_of_copy", "check")
+TARGETS = ("bf16_T65536_pct_of_copy", "fp8_T65536_pct_of_copy", "graph_us_per_call_T_le_64",
+           "eager_host_overhead_ratio_T1")
+
+
+def test_quick_cpu_run_writes_json(tmp_path):
+    # The CPU run times the reference implementation: keep the conftest's interpreter switch out of it.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--device", "cpu", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "==== summary: cache" in proc.stdout
+
+    doc = json.loads((tmp_path / "bench_cache.json").read_text())
+    for key in HEADER_KEYS:
+        assert key in doc, key
+    assert doc["family"] == "cache" and doc["device"] == "cpu" and doc["errors"] == []
+    assert doc["copy_ceiling"]["gbps"] > 0
+    assert len(doc["cases"]) >= 6
+    for case in doc["cases"]:
+        assert "error" not in case, case
+        for key in CASE_KEYS:
+            assert key in case, (case["name"], key)
+        assert case["method"] == "wall" and case["us"] > 0 and case["gbps"] > 0 and case["bytes"] > 0
+        assert case["check"] == "ok", case
+    assert {c["params"]["layout"] for c in doc["cases"]} == {"nhd", "head_major", "diffkv"}
+
+    host = doc["host_overhead"]
+    assert host["errors"] == {}
+    assert {"x.add_(1)", "public reshape_and_cache_flash"} <= set(host["us_per_call"])
+    assert host["ratio_public_to_add"] > 0
+
+    assert set(TARGETS) <= set(doc["targets"])
+    assert all(t["pass"] is None for t in doc["targets"].values())   # targets are judged on a GPU only
+    assert doc["all_targets_pass"] is None
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert doc["plot"] == "bench_cache.png" and (tmp_path / "bench_cache.png").stat().st_size > 0

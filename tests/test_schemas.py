@@ -1,0 +1,151 @@
+"""The `dsv4::` schemas, and csrc_stubs/ kept identical to the Python registry.
+
+Update the inline expectations after an intended schema change with
+`EXPECTTEST_ACCEPT=1 python -m pytest tests/test_schemas.py`, and csrc_stubs/ with
+`python -m torch_dsv4_ops.stubs`.
+"""
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from pathlib import Path
+
+import expecttest
+import torch
+import torch.utils.cpp_extension
+
+from torch_dsv4_ops import OPS, stubs
+from torch_dsv4_ops.library import NAMESPACE
+
+HEADER = stubs.STUB_DIR / stubs.HEADER
+SOURCE = stubs.STUB_DIR / stubs.SOURCE
+
+# Every schema type the generator maps (the compile test checks each mapping is valid C++).
+ALL_TYPES = (
+    "all_types(Tensor a, Tensor(a!) b, Tensor(b) c, Tensor? d, Tensor[] e, Tensor(c!)[] f, Tensor?[] g, "
+    "int h, SymInt i, float j, bool k, str l, Scalar m, ScalarType n, Layout o, MemoryFormat p, Device q, "
+    "int[] r, int[2] s, SymInt[] t, float[] u, bool[3] v, int? w=None, str? x=\"mean\", Generator? y=None, "
+    "*, float z=1.5, Tensor(d!) out) -> (Tensor(d!), Tensor[], SymInt, float, str, Tensor?)"
+)
+
+
+def _defined_schemas() -> dict[str, str]:
+    """Op name -> the schema string of each `m.def("...")` in dsv4_ops_schema.cpp."""
+    literals = re.findall(r'm\.def\(("(?:[^"\\]|\\.)*")\);', SOURCE.read_text())
+    schemas = [json.loads(lit) for lit in literals]
+    return {s.split("(", 1)[0]: s for s in schemas}
+
+
+def _declared_params(header: str) -> dict[str, dict[str, str]]:
+    """Function name -> {parameter name: C++ type} of each declaration in the header."""
+    decls = {}
+    for name, params in re.findall(r"^[^\s/#].* (\w+)\(([^;]*)\);$", header, re.M):
+        parsed = {}
+        for line in params.splitlines():
+            line = re.sub(r"/\*.*?\*/", "", line).strip().rstrip(",").strip()
+            if line:
+                cpp_type, param = line.rsplit(" ", 1)
+                parsed[param] = cpp_type
+        decls[name] = parsed
+    return decls
+
+
+class TestSchemas(expecttest.TestCase):
+    def test_registered_schemas(self):
+        schemas = "\n".join(sorted(str(card.op._schema) for card in OPS.values()))
+        self.assertExpectedInline(schemas, """\
+dsv4::reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()
+dsv4::reshape_and_cache_flash_diffkv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()""")
+
+    def test_stubs_are_current(self):
+        diff = stubs.check()
+        self.assertEqual(diff, "", f"csrc_stubs/ is stale; run `python -m torch_dsv4_ops.stubs`:\n{diff}")
+
+    def test_check_cli(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            stale = Path(tmp)
+            self.assertNotEqual(stubs.check(stale), "")
+            stubs.write(stale)
+            self.assertEqual(stubs.check(stale), "")
+        self.assertEqual(stubs.main(["--check"]), 0)
+
+    def test_cpp_defs_equal_registry(self):
+        defined = _defined_schemas()
+        self.assertEqual(set(defined), set(OPS))
+        for name, schema in defined.items():
+            parsed = torch._C.parse_schema(schema if "::" in schema.split("(", 1)[0] else f"{NAMESPACE}::{schema}")
+            self.assertEqual(str(parsed), str(OPS[name].op._schema))
+            self.assertEqual(parsed, OPS[name].op._schema)
+
+    def test_mutated_args_are_mutable_in_header(self):
+        """Mutated Tensors are `at::Tensor&`; mutated lists/optionals follow ATen (the handle is not reseated)."""
+        expected = {"TensorType": "at::Tensor&", "ListType": "at::TensorList",
+                    "OptionalType": "const std::optional<at::Tensor>&"}
+        declared = _declared_params(HEADER.read_text())
+        self.assertEqual(set(declared), set(OPS))
+        for name, card in OPS.items():
+            schema = card.op._schema
+            self.assertEqual(list(declared[name]), [a.name for a in schema.arguments], name)
+            for arg in schema.arguments:
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    self.assertEqual(declared[name][arg.name], expected[arg.real_type.kind()], f"{name}.{arg.name}")
+                else:
+                    self.assertNotEqual(declared[name][arg.name], "at::Tensor&", f"{name}.{arg.name}")
+
+    def test_type_mapping(self):
+        self.assertExpectedInline(stubs.declaration(ALL_TYPES), """\
+// dsv4::all_types(Tensor a, Tensor(a!) b, Tensor(b) c, Tensor? d, Tensor[] e, Tensor(c!)[] f, Tensor?[] g, int h, SymInt i, float j, bool k, str l, Scalar m, ScalarType n, Layout o, MemoryFormat p, Device q, int[] r, int[2] s, SymInt[] t, float[] u, bool[3] v, int? w=None, str? x="mean", Generator? y=None, *, float z=1.5, Tensor(d!) out) -> (Tensor(d!), Tensor[], SymInt, float, str, Tensor?)
+std::tuple<at::Tensor&, std::vector<at::Tensor>, c10::SymInt, double, std::string, std::optional<at::Tensor>> all_types(
+    const at::Tensor& a,
+    at::Tensor& b,
+    const at::Tensor& c,
+    const std::optional<at::Tensor>& d,
+    at::TensorList e,
+    at::TensorList f,
+    const c10::List<std::optional<at::Tensor>>& g,
+    int64_t h,
+    c10::SymInt i,
+    double j,
+    bool k,
+    c10::string_view l,
+    const at::Scalar& m,
+    at::ScalarType n,
+    at::Layout o,
+    at::MemoryFormat p,
+    at::Device q,
+    at::IntArrayRef r,
+    at::IntArrayRef s,
+    c10::SymIntArrayRef t,
+    at::ArrayRef<double> u,
+    std::array<bool, 3> v,
+    std::optional<int64_t> w /* = None */,
+    std::optional<c10::string_view> x /* = "mean" */,
+    std::optional<at::Generator> y /* = None */,
+    /* *, */ double z /* = 1.5 */,
+    at::Tensor& out);
+""")
+
+    @unittest.skipIf(shutil.which("g++") is None, "g++ not found: cannot compile csrc_stubs/")
+    def test_stubs_compile(self):
+        """The header (plus one covering every mapped type) and the .cpp pass `g++ -fsyntax-only`."""
+        with tempfile.TemporaryDirectory() as tmp:
+            all_types = Path(tmp, "all_types.h")
+            all_types.write_text(stubs.render_header([ALL_TYPES]))
+            tu = Path(tmp, "tu.cpp")
+            tu.write_text("".join(f'#include "{p}"\n' for p in (HEADER, all_types, SOURCE)))
+            includes = [f"-I{p}" for p in torch.utils.cpp_extension.include_paths()]
+            # torch 2.13's headers need C++20 (what torch.utils.cpp_extension builds with).
+            start = time.perf_counter()
+            result = subprocess.run(["g++", "-fsyntax-only", "-std=c++20", *includes, str(tu)],
+                                    capture_output=True, text=True)
+            elapsed = time.perf_counter() - start
+        self.assertEqual(result.returncode, 0, result.stderr)
+        print(f"g++ -fsyntax-only: {elapsed:.1f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

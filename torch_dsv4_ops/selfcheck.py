@@ -1,0 +1,102 @@
+"""The main job's self-check: every registered op on the best device present, against the
+CPU reference, timed. `python -m torch_dsv4_ops` prints the table."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from . import library, platform
+from .testing import as_bytes
+
+
+@dataclasses.dataclass
+class Row:
+    op: str
+    case: str
+    device: str
+    implementation: str
+    error: str          # "exact" (bit-identical to the reference) or what differs
+    time_us: float
+    ok: bool
+
+
+def best_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def implementation_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        t = platform.target_for(device)
+        return f"triton ({t.backend} {t.arch})"
+    return "triton interpreter" if library._CPU.triton else "torch reference"
+
+
+def _mutated_indices(card: library.OpCard) -> list[int]:
+    schema = card.op._schema
+    return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _to(args, device):
+    return [a.clone().to(device) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _time_us(fn, device, repeats: int = 20) -> float:
+    fn()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+    else:
+        times = []
+        for _ in range(max(3, repeats // 5)):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor) -> str:
+    diff = int((as_bytes(got.cpu()) != as_bytes(want)).sum())
+    if diff == 0:
+        return "exact"
+    if got.dtype.is_floating_point:
+        return f"{diff} bytes differ, max |err| {(got.cpu().double() - want.double()).abs().max().item():.3g}"
+    return f"{diff} bytes differ"
+
+
+def run(device: torch.device | None = None) -> list[Row]:
+    """Check every op card's examples on `device` against the CPU reference."""
+    device = device or best_device()
+    rows = []
+    impl = implementation_name(device)
+    for name, card in sorted(library.OPS.items()):
+        if card.examples is None:
+            rows.append(Row(name, "-", str(device), impl, "no example", float("nan"), False))
+            continue
+        mutated = _mutated_indices(card)
+        for label, args in card.examples().items():
+            dev_args = _to(args, device)
+            ref_args = _to(args, "cpu")
+            with library.cpu_implementation("reference"):
+                card.op(*ref_args)
+            card.op(*dev_args)
+            errors = [_compare(dev_args[i], ref_args[i]) for i in mutated]
+            error = "exact" if all(e == "exact" for e in errors) else "; ".join(e for e in errors if e != "exact")
+            t = _time_us(lambda: card.op(*dev_args), device)
+            rows.append(Row(name, label, str(device), impl, error, t, error == "exact"))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ("op", "case", "device", "implementation", "error", "time (us)")
+    body = [(r.op, r.case, r.device, r.implementation, r.error, f"{r.time_us:.1f}") for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))   # noqa: E731
+    return "\n".join([line(header), line("-" * w for w in widths)] + [line(b) for b in body])
