@@ -6,8 +6,8 @@ once through Triton's JIT (compiling it if needed), keeps the compiled kernel, a
 calls it directly. The caller supplies `plan_key`: anything that fixes the dtypes and every int
 argument (so Triton's int specialisations, == 1, % 16 and i32/i64, are fixed); the launcher adds
 the 16-byte alignment of each tensor argument and the device, which Triton also specialises on.
-Under the interpreter, or while Triton launch hooks (profilers) are set, it always takes Triton's
-own path.
+Under the interpreter, on ROCm (whose pointer specialisation also depends on the storage size),
+or while Triton launch hooks (profilers) are set, it always takes Triton's own path.
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ class FastLauncher:
     def __init__(self, fn):
         self.fn = fn
         self._compiled: dict = {}
-        self.direct = not platform.INTERPRET
+        self._ids: dict = {}
+        # HIP builds also specialise pointers on their storage size (buffer ops): keep Triton's path
+        self.direct = not platform.INTERPRET and not platform.IS_HIP
         # the interpreter's functions have no .params; they always take Triton's own path
         self.constexpr_names = tuple(p.name for p in fn.params if p.is_constexpr) if self.direct else ()
         if self.direct:
@@ -50,6 +52,11 @@ class FastLauncher:
         stream = torch._C._cuda_getCurrentRawStream(device.index)
         compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                      compiled.function, compiled.packed_metadata, None, None, None, *args, *constexpr_values)
+
+    def intern(self, specialisation: tuple) -> int:
+        """A small int naming `specialisation` (tensor dtypes, int arguments, constexprs): the
+        `plan_key` to pass, so the compiled-kernel cache grows with specialisations, not calls."""
+        return self._ids.setdefault(specialisation, len(self._ids))
 
     def constexpr_values(self, meta: dict) -> tuple:
         """meta's constexprs in the kernel's parameter order (what a direct launch passes)."""

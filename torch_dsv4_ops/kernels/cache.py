@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import layout, platform
+from ._launch import FastLauncher
 from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
 
 # How a value reaches the cache (constexpr OUT_KIND)
@@ -46,44 +47,63 @@ def make_codec(in_dtype, cache_dtype, fmt: layout.Fp8Format | None, target: plat
     return Codec(in_code, BF16 if cache_dtype == torch.bfloat16 else FLOAT, sw_in=sw_in)
 
 
+def kernel_views(in_dtype: torch.dtype, cache_dtype: torch.dtype, codec: Codec):
+    """The dtypes the launcher views (input, cache) as: fp8 as uint8, bf16 written by the software
+    RNE as int16; None keeps the tensor's own dtype."""
+    in_view = torch.uint8 if in_dtype in layout.FP8_BY_DTYPE else None
+    if codec.out_kind == BF16:
+        return in_view, torch.int16
+    return in_view, (torch.uint8 if cache_dtype in layout.FP8_BY_DTYPE else None)
+
+
+def diffkv_v_start(kv_cache, dk: int) -> int:
+    """Element offset of V inside a diffkv cache row: V is the same cache, Dk elements in."""
+    return dk * kv_cache.stride(3)
+
+
 @triton.jit
 def _to_cache(x, scale, IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: tl.constexpr,
               SCALED: tl.constexpr, SW_IN: tl.constexpr, SW_OUT: tl.constexpr):
+    # one return at the end: compiled Triton rejects an early return followed by more code
     if OUT_KIND == 0:
-        return x
-    if IN_FP8 != 0:
-        xf = fp8_decode(x, IN_FP8, SW_IN)
+        y = x
     else:
-        xf = x.to(tl.float32)
-    if OUT_KIND == 1:
-        return xf
-    if OUT_KIND == 2:
-        return bf16_bits_rne(xf)
-    if SCALED:
-        xf = tl.math.div_rn(xf, scale)
-    return fp8_encode(xf, OUT_FP8, SW_OUT)
+        if IN_FP8 != 0:
+            xf = fp8_decode(x, IN_FP8, SW_IN)
+        else:
+            xf = x.to(tl.float32)
+        if OUT_KIND == 1:
+            y = xf
+        elif OUT_KIND == 2:
+            y = bf16_bits_rne(xf)
+        else:
+            if SCALED:
+                xf = tl.math.div_rn(xf, scale)
+            y = fp8_encode(xf, OUT_FP8, SW_OUT)
+    return y
 
 
 @triton.jit
-def _write_tile(src_ptr, dst_ptr, t, dst_base, h, ok_h, scale_ptr,
+def _write_tile(src_ptr, dst_ptr, t, dst_base, h, h_ok, store_ok, scale_ptr,
                 s_t, s_h, s_d, c_h, c_dx, c_di,
                 D: tl.constexpr, X: tl.constexpr, BLOCK_D: tl.constexpr,
                 IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: tl.constexpr, SCALED: tl.constexpr,
                 SW_IN: tl.constexpr, SW_OUT: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
-    mask = ok_h[:, None] & (d < D)[None, :]
-    x = tl.load(src_ptr + t * s_t + h[:, None] * s_h + d[None, :] * s_d, mask=mask)
+    d_ok = (d < D)[None, :]
+    # the load does not wait for the slot: token t < T is always inside the input
+    x = tl.load(src_ptr + t * s_t + h[:, None] * s_h + d[None, :] * s_d, mask=h_ok[:, None] & d_ok)
     scale = 1.0
     if SCALED:
         scale = tl.load(scale_ptr)
     y = _to_cache(x, scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, SW_IN, SW_OUT)
     inner = h[:, None] * c_h + (d // X)[None, :] * c_dx + (d % X)[None, :] * c_di
-    tl.store(dst_ptr + dst_base + inner, y, mask=mask)
+    tl.store(dst_ptr + dst_base + inner, y, mask=store_ok[:, None] & d_ok)
 
 
 @triton.jit
 def flash_cache_write_kernel(
-    key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, num_slots,
+    key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, num_slots, slot_stride, vc_start,
     k_st, k_sh, k_sd, v_st, v_sh, v_sd,
     kc_blk, kc_off, kc_h, kc_dx, kc_di,
     vc_blk, vc_off, vc_h, vc_dx, vc_di,
@@ -93,17 +113,18 @@ def flash_cache_write_kernel(
     SW_IN: tl.constexpr, SW_OUT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t * slot_stride).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)        # every negative slot and every slot past the cache: skip
     slot = tl.where(valid, slot, 0)
     blk = slot // BS
     off = slot % BS
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok_h = h < tl.where(valid, H, 0)   # (h < H) & valid, kept a tensor-only mask for the interpreter
-    _write_tile(key_ptr, kc_ptr, t, blk * kc_blk + off * kc_off, h, ok_h, k_scale_ptr,
+    h_ok = h < H
+    store_ok = h < tl.where(valid, H, 0)   # h_ok & valid, as a tensor-only mask (interpreter)
+    _write_tile(key_ptr, kc_ptr, t, blk * kc_blk + off * kc_off, h, h_ok, store_ok, k_scale_ptr,
                 k_st, k_sh, k_sd, kc_h, kc_dx, kc_di,
                 DK, XK, BLOCK_DK, IN_FP8, OUT_KIND, OUT_FP8, SCALED, SW_IN, SW_OUT)
-    _write_tile(value_ptr, vc_ptr, t, blk * vc_blk + off * vc_off, h, ok_h, v_scale_ptr,
+    _write_tile(value_ptr, vc_ptr, t, vc_start + blk * vc_blk + off * vc_off, h, h_ok, store_ok, v_scale_ptr,
                 v_st, v_sh, v_sd, vc_h, vc_dx, vc_di,
                 DV, XV, BLOCK_DV, IN_FP8, OUT_KIND, OUT_FP8, SCALED, SW_IN, SW_OUT)
 
@@ -153,13 +174,116 @@ def constexprs(h, dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_size, 
                 SW_IN=codec.sw_in, SW_OUT=codec.sw_out, **tile_config(h, dk, dv, target))
 
 
-def launch(key, value, kc, vc, slot_mapping, k_scale, v_scale, num_slots: int,
-           kgeo: CacheGeometry, vgeo: CacheGeometry, block_size: int, codec: Codec, target: platform.Target):
-    """Write `slot_mapping.shape[0]` tokens. Tensors are the kernel views (fp8 as uint8, bf16 bits as int16)."""
-    num_tokens = slot_mapping.shape[0]
-    h, dk, dv = key.shape[1], key.shape[2], value.shape[2]
-    meta = constexprs(h, dk, dv, kgeo, vgeo, block_size, codec, target)
-    grid = (num_tokens, triton.cdiv(h, meta["BLOCK_H"]))
-    flash_cache_write_kernel[grid](
-        key, value, kc, vc, slot_mapping, k_scale, v_scale, num_slots,
-        *key.stride(), *value.stride(), *kgeo.strides, *vgeo.strides, **meta)
+TENSOR_ARGS = ("key", "value", "kc", "vc", "slot_mapping", "k_scale", "v_scale")   # the first 7 parameters
+
+
+def runtime_args(num_slots: int, slot_stride: int, vc_start: int, key_strides, value_strides,
+                 kgeo: CacheGeometry, vgeo: CacheGeometry) -> tuple:
+    """The kernel's int arguments, in order, after the 7 tensors (fp8 tensors as uint8 views, bf16
+    caches written by the software RNE as int16 views)."""
+    return (num_slots, slot_stride, vc_start, *key_strides, *value_strides, *kgeo.strides, *vgeo.strides)
+
+
+LAUNCHER = FastLauncher(flash_cache_write_kernel)
+
+
+# --- compile matrix (torch_dsv4_ops.compile_matrix) -------------------------------------------
+
+_MATRIX_INPUTS = (torch.bfloat16, torch.float16, torch.float32,
+                  torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
+_MATRIX_CACHES = (("auto", torch.bfloat16), ("auto", torch.float16), ("auto", torch.float32),
+                  ("fp8", torch.uint8), ("fp8", torch.float8_e4m3fn), ("fp8", torch.float8_e4m3fnuz),
+                  ("fp8_e5m2", torch.uint8), ("fp8_e5m2", torch.float8_e5m2))
+# (input, kv_cache_dtype, cache): one codec of each kind and cache element width (1, 2, 4 bytes) ...
+_MATRIX_GEOMETRY_CODECS = ((torch.bfloat16, "auto", torch.bfloat16), (torch.float16, "auto", torch.bfloat16),
+                           (torch.bfloat16, "auto", torch.float32), (torch.bfloat16, "fp8", torch.uint8))
+# ... and the other fp8 paths (e5m2 encode, fp8 copy, fp8 decode), on fewer geometries
+_MATRIX_FP8_CODECS = ((torch.float32, "fp8_e5m2", torch.uint8), (torch.float8_e4m3fn, "fp8", torch.uint8),
+                      (torch.float8_e5m2, "auto", torch.bfloat16))
+# (op, layout, H, Dk, Dv, block size)
+_MATRIX_GEOMETRIES = (("flash", "nhd", 13, 80, 80, 16), ("flash", "head_major", 8, 128, 128, 16),
+                      ("flash", "head_major", 13, 80, 80, 544), ("diffkv", "nhd", 8, 192, 128, 64),
+                      ("diffkv", "nhd", 13, 80, 48, 16))
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.").replace("float8_", "").replace("bfloat16", "bf16") \
+        .replace("float16", "fp16").replace("float32", "fp32").replace("uint8", "u8")
+
+
+def matrix_launch(target: platform.Target, op: str, layout_name: str, in_dtype, kv_cache_dtype: str, cache_dtype,
+                  h: int, dk: int, dv: int, bs: int, slot_dtype=torch.int64, slot_stride: int = 1,
+                  aligned: bool = True, big_cache: bool = False):
+    """What ops/cache.py passes to the kernel for one call on `target`: (case name, the 7 tensor
+    arguments as `matrix.Ptr`, the int arguments, the constexprs with num_warps).
+
+    op "flash" (layout "nhd" or "head_major") or "diffkv"; 4 blocks of `bs` slots. aligned=False:
+    key and value are packed[:, 1:1+H*Dk] and packed[:, 1+H*Dk:] of one [T, H*(Dk+Dv)+1] buffer
+    (unaligned pointers, odd token strides). big_cache: the cache is over 2 GiB (no AMD buffer ops).
+    """
+    from .matrix import Ptr
+
+    fmt = layout.resolve_kv_cache_format(kv_cache_dtype, cache_dtype, platform.platform_e4m3(target))
+    codec = make_codec(in_dtype, cache_dtype, fmt, target)
+    in_view, cache_view = kernel_views(in_dtype, cache_dtype, codec)
+    in_view, cache_view = in_view or in_dtype, cache_view or cache_dtype
+    nb, vc_start = 4, 0
+    if layout_name == "head_major":
+        x = layout.head_major_x(cache_dtype)
+        kgeo = head_major_k_geometry(torch.empty((nb, h, dk // x, bs, x), dtype=cache_dtype, device="meta"))
+        vgeo = head_major_v_geometry(torch.empty((nb, h, dv, bs), dtype=cache_dtype, device="meta"))
+    elif op == "diffkv":    # V is the same cache, starting Dk elements into each row
+        kv = torch.empty((nb, bs, h, dk + dv), dtype=cache_dtype, device="meta")
+        kgeo = vgeo = nhd_geometry(kv)
+        vc_start = diffkv_v_start(kv, dk)
+    else:
+        kgeo = nhd_geometry(torch.empty((nb, bs, h, dk), dtype=cache_dtype, device="meta"))
+        vgeo = nhd_geometry(torch.empty((nb, bs, h, dv), dtype=cache_dtype, device="meta"))
+    row = h * (dk + dv) + 1
+    k_strides = (h * dk, dk, 1) if aligned else (row, dk, 1)
+    v_strides = (h * dv, dv, 1) if aligned else (row, dv, 1)
+    meta = constexprs(h, dk, dv, kgeo, vgeo, bs, codec, target)
+    tensors = (Ptr(in_view, aligned), Ptr(in_view, aligned), Ptr(cache_view, small=not big_cache),
+               Ptr(cache_view, small=not big_cache), Ptr(slot_dtype), Ptr(torch.float32), Ptr(torch.float32))
+    assert len(tensors) == len(TENSOR_ARGS)
+    ints = runtime_args(nb * bs, slot_stride, vc_start, k_strides, v_strides, kgeo, vgeo)
+    name = f"{op}_{layout_name}.{_short(in_dtype)}-{kv_cache_dtype}:{_short(cache_dtype)}.h{h}d{dk}" \
+        + (f"x{dv}" if dv != dk else "") + f".bs{bs}" + ("" if slot_dtype == torch.int64 else ".slot32") \
+        + ("" if slot_stride == 1 else f".slotstride{slot_stride}") + ("" if aligned else ".unaligned") \
+        + (".bigcache" if big_cache else "")
+    return name, tensors, ints, meta
+
+
+def _matrix_case(target: platform.Target, *spec, **options):
+    """`matrix_launch` as a compile-matrix case: what Triton's runtime would specialise on."""
+    from .matrix import KernelCase, specialise
+
+    name, tensors, ints, meta = matrix_launch(target, *spec, **options)
+    meta = dict(meta)
+    num_warps = meta.pop("num_warps")
+    signature, consts, attrs = specialise(flash_cache_write_kernel, tensors + ints, meta, target)
+    return KernelCase(name, flash_cache_write_kernel, signature, consts, num_warps, attrs)
+
+
+def matrix_cases(target: platform.Target) -> list:
+    """Specialisations of `flash_cache_write_kernel` the flash-cache ops launch on `target`.
+
+    Every input dtype x cache kind (NHD, H 8, D 128); head-major, odd head counts/dims, a
+    non-power-of-two block size and diffkv (Dk != Dv) for one codec of each kind; int32 and strided
+    slots, unaligned strided inputs and >2 GiB caches for the copy and fp8 paths. Duplicates dropped.
+    """
+    from .matrix import dedupe
+
+    cases = [_matrix_case(target, "flash", "nhd", i, s, c, 8, 128, 128, 16)
+             for i in _MATRIX_INPUTS for s, c in _MATRIX_CACHES]
+    cases += [_matrix_case(target, op, lay, i, s, c, h, dk, dv, bs)
+              for i, s, c in _MATRIX_GEOMETRY_CODECS for op, lay, h, dk, dv, bs in _MATRIX_GEOMETRIES]
+    cases += [_matrix_case(target, op, lay, i, s, c, h, dk, dv, bs)
+              for i, s, c in _MATRIX_FP8_CODECS for op, lay, h, dk, dv, bs in _MATRIX_GEOMETRIES[1::3]]
+    for i, s, c in _MATRIX_GEOMETRY_CODECS[::3]:    # bf16 copy and bf16 -> platform fp8
+        cases += [_matrix_case(target, "flash", "nhd", i, s, c, 8, 128, 128, 16, slot_dtype=torch.int32),
+                  _matrix_case(target, "flash", "nhd", i, s, c, 8, 128, 128, 16, slot_stride=2),
+                  _matrix_case(target, "flash", "nhd", i, s, c, 8, 128, 128, 16, aligned=False),
+                  _matrix_case(target, "diffkv", "nhd", i, s, c, 13, 80, 48, 16, aligned=False),
+                  _matrix_case(target, "flash", "head_major", i, s, c, 8, 128, 128, 16, big_cache=True)]
+    return dedupe(cases)

@@ -74,12 +74,14 @@ def fp8_encode(x, FMT: tl.constexpr, SW: tl.constexpr):
         else:
             code = _encode_sw(x, 2, 15, 0x47600000, 0x7F, True)     # max 57344
     else:
+        # PropagateNan.ALL: NaN stays NaN, as in the software path and the reference
         if FMT == 1:
-            code = tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            y = tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
         elif FMT == 2:
-            code = tl.clamp(x, -240.0, 240.0).to(tl.float8e4b8).to(tl.uint8, bitcast=True)
+            y = tl.clamp(x, -240.0, 240.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4b8)
         else:
-            code = tl.clamp(x, -57344.0, 57344.0).to(tl.float8e5).to(tl.uint8, bitcast=True)
+            y = tl.clamp(x, -57344.0, 57344.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e5)
+        code = y.to(tl.uint8, bitcast=True)
     return code
 
 

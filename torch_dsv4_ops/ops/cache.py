@@ -77,26 +77,22 @@ class _Plan:
     """What a launch needs that depends only on the arguments' metadata (shapes, strides, dtypes,
     devices, kv_cache_dtype), never on their values: built once per signature, then reused."""
 
-    __slots__ = ("tokens", "grid", "in_view", "cache_view", "ints", "constexpr_values", "meta", "device")
+    __slots__ = ("tokens", "grid", "in_view", "cache_view", "ints", "constexpr_values", "meta", "device", "launch_id")
 
     def __init__(self, *, key, value, kc, vc, slot_mapping, fmt, block_size, num_slots, kgeo, vgeo, vc_start):
         self.device = kc.device
         target = platform.target_for(self.device)
         codec = kernels.make_codec(key.dtype, kc.dtype, fmt, target)
         self.tokens = slot_mapping.shape[0]
-        self.in_view = torch.uint8 if key.dtype in layout.FP8_BY_DTYPE else None
-        if codec.out_kind == kernels.BF16:
-            self.cache_view = torch.int16
-        elif kc.dtype in layout.FP8_BY_DTYPE:
-            self.cache_view = torch.uint8
-        else:
-            self.cache_view = None
+        self.in_view, self.cache_view = kernels.kernel_views(key.dtype, kc.dtype, codec)
         heads, dk, dv = key.shape[1], key.shape[2], value.shape[2]
         self.meta = kernels.constexprs(heads, dk, dv, kgeo, vgeo, block_size, codec, target)
         self.constexpr_values = kernels.LAUNCHER.constexpr_values(self.meta)
         self.grid = (self.tokens, -(-heads // self.meta["BLOCK_H"]))
         self.ints = kernels.runtime_args(num_slots, slot_mapping.stride(0), vc_start, key.stride(), value.stride(),
                                          kgeo, vgeo)
+        tensor_dtypes = (self.in_view or key.dtype, self.cache_view or kc.dtype, slot_mapping.dtype)
+        self.launch_id = kernels.LAUNCHER.intern((tensor_dtypes, self.ints, self.constexpr_values))
 
     def launch(self, key, value, kc, vc, slot_mapping, k_scale, v_scale) -> None:
         if self.tokens == 0:
@@ -104,15 +100,13 @@ class _Plan:
         if self.in_view is not None:
             key, value = key.view(self.in_view), value.view(self.in_view)
         if self.cache_view is not None:
-            kc, vc = kc.view(self.cache_view), (kc.view(self.cache_view) if vc is None else vc.view(self.cache_view))
-        elif vc is None:
-            vc = kc
+            kc, vc = kc.view(self.cache_view), vc.view(self.cache_view)
         args = (key, value, kc, vc, slot_mapping, k_scale, v_scale) + self.ints
         if self.device.type != "cuda" or self.device.index == torch.cuda.current_device():
-            kernels.LAUNCHER(self.grid, args, 7, self.constexpr_values, self.meta, self, self.device)
+            kernels.LAUNCHER(self.grid, args, 7, self.constexpr_values, self.meta, self.launch_id, self.device)
         else:
             with torch.cuda.device(self.device):
-                kernels.LAUNCHER(self.grid, args, 7, self.constexpr_values, self.meta, self, self.device)
+                kernels.LAUNCHER(self.grid, args, 7, self.constexpr_values, self.meta, self.launch_id, self.device)
 
 
 _PLANS: dict = {}
@@ -166,11 +160,11 @@ def _diffkv_kernel(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, 
         e4m3 = platform.platform_e4m3(platform.target_for(kv_cache.device))
         fmt, bs, num_slots = check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
                                                 v_scale, e4m3)
-        geo = kernels.nhd_geometry(kv_cache)   # V is the same cache, starting key.shape[2] elements in
+        geo = kernels.nhd_geometry(kv_cache)
         plan = _remember(sig, _Plan(key=key, value=value, kc=kv_cache, vc=kv_cache, slot_mapping=slot_mapping,
                                     fmt=fmt, block_size=bs, num_slots=num_slots, kgeo=geo, vgeo=geo,
-                                    vc_start=key.shape[2] * kv_cache.stride(3)))
-    plan.launch(key, value, kv_cache, None, slot_mapping, k_scale, v_scale)
+                                    vc_start=kernels.diffkv_v_start(kv_cache, key.shape[2])))
+    plan.launch(key, value, kv_cache, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def _diffkv_reference(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):

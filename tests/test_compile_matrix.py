@@ -1,0 +1,259 @@
+"""The ahead-of-time compile matrix (issue 2): every flash-cache kernel specialisation the ops launch
+compiles for every target in `platform.MATRIX_TARGETS`, on this GPU-less machine, and each target
+compiles the fp8 path (hardware casts or the software codec) that `platform.native_fp8` promises.
+
+The matrix runs once, in a subprocess without TRITON_INTERPRET (conftest sets it for this process),
+through the CLI `python -m torch_dsv4_ops.compile_matrix --json`; the tests read its JSON.
+"""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch_dsv4_ops
+from torch_dsv4_ops import layout, platform
+from torch_dsv4_ops.compile_matrix import TARGETS_BY_NAME, error_summary
+from torch_dsv4_ops.kernels import cache as cache_kernels
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "gfx90a", "gfx942", "gfx950")
+COPY, FLOAT, BF16, FP8 = cache_kernels.COPY, cache_kernels.FLOAT, cache_kernels.BF16, cache_kernels.FP8
+FMT = {f.code: f for f in layout.FP8_FORMATS}
+FAMILY = {1: "e4m3", 2: "e4m3", 3: "e5m2"}   # fp8 code -> the hardware conversion family
+
+# The issue's statement of where fp32 <-> fp8 is native (RNE, saturating), per target.
+EXPECTED_NATIVE = {
+    "sm_80": set(), "sm_86": set(), "gfx90a": set(), "gfx942": {"e4m3fnuz"},
+    **{t: {"e4m3fn", "e5m2"} for t in ("sm_89", "sm_90", "sm_100", "sm_120", "gfx950")},
+}
+
+# Every codec the flash-cache ops can build, derived by hand from SPEC §3.1 (in_fp8, out_kind, out_fp8,
+# scaled): float input -> same float (copy), other float, bf16 bits, or any fp8 (scaled); fp8 input ->
+# its own format (copy), a float cache (fp16/fp32: FLOAT, bf16: BF16) or another fp8 format (unscaled).
+EXPECTED_CODECS = (
+    {(0, COPY, 0, False), (0, FLOAT, 0, False), (0, BF16, 0, False)}
+    | {(0, FP8, f, True) for f in FMT}
+    | {(g, kind, 0, False) for g in FMT for kind in (COPY, FLOAT, BF16)}
+    | {(g, FP8, f, False) for g in FMT for f in FMT if f != g}
+)
+
+_ENCODE = {"cuda": re.compile(r"cvt\.rn\.satfinite\.(e4m3|e5m2)x2\.f32$"), "hip": re.compile(r"_(fp8|bf8)_f32$")}
+_DECODE = {"cuda": re.compile(r"cvt\.rn\.f16x2\.(e4m3|e5m2)x2$"), "hip": re.compile(r"_f32_(fp8|bf8)(_e32|_sdwa)?$")}
+_HIP_FAMILY = {"fp8": "e4m3", "bf8": "e5m2"}
+
+
+def _backend(target: str) -> str:
+    return "cuda" if target.startswith("sm_") else "hip"
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """The CLI's JSON for the whole matrix (all nine targets), plus its exit status and output."""
+    out = tmp_path_factory.mktemp("compile_matrix") / "matrix.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "torch_dsv4_ops.compile_matrix", "--quiet", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if not out.exists():
+        pytest.fail(f"the compile matrix crashed (exit {proc.returncode}):\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    data = json.loads(out.read_text())
+    data["returncode"], data["stdout"] = proc.returncode, proc.stdout
+    return data
+
+
+def _by_target(matrix) -> dict[str, list[dict]]:
+    out = {}
+    for r in matrix["results"]:
+        out.setdefault(r["target"], []).append(r)
+    return out
+
+
+def _hw_conversions(result) -> set[tuple[str, str]]:
+    """{(direction, family)} of the hardware fp8 conversion instructions in a result's assembly."""
+    backend, found = _backend(result["target"]), set()
+    for ins in result["fp8_instructions"]:
+        enc, dec = _ENCODE[backend].search(ins), _DECODE[backend].search(ins)
+        assert enc or dec, f"{result['name']} on {result['target']}: unexpected fp8 instruction {ins}"
+        family = (enc or dec).group(1)
+        found.add(("encode" if enc else "decode", _HIP_FAMILY.get(family, family)))
+    return found
+
+
+def _expected_hw(result) -> set[tuple[str, str]]:
+    c = result["constexprs"]
+    out = set()
+    if c["OUT_KIND"] == FP8 and not c["SW_OUT"]:
+        out.add(("encode", FAMILY[c["OUT_FP8"]]))
+    if c["IN_FP8"] and c["OUT_KIND"] != COPY and not c["SW_IN"]:
+        out.add(("decode", FAMILY[c["IN_FP8"]]))
+    return out
+
+
+def test_every_case_compiles_on_every_target(matrix):
+    by_target = _by_target(matrix)
+    assert tuple(by_target) == TARGETS == tuple(TARGETS_BY_NAME)
+    failed = [f"{r['target']:<7} {r['name']}: {error_summary(r['error'])}" for r in matrix["results"] if not r["ok"]]
+    assert not failed, f"{len(failed)} of {len(matrix['results'])} compiles failed:\n" + "\n".join(failed[:30])
+    assert matrix["returncode"] == 0, matrix["stdout"][-3000:]
+    for target, results in by_target.items():
+        names = [r["name"] for r in results]
+        assert len(names) == len(set(names)) >= 60, target
+        # >2 GiB caches lose AMD's buffer-op specialisation: a distinct kernel on HIP only
+        assert any(n.endswith(".bigcache") for n in names) == (_backend(target) == "hip"), target
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_matrix_covers_every_codec_dtype_and_layout(matrix, target):
+    results = _by_target(matrix)[target]
+    codecs = {tuple(r["constexprs"][k] for k in ("IN_FP8", "OUT_KIND", "OUT_FP8", "SCALED")) for r in results}
+    assert codecs == EXPECTED_CODECS
+    assert len(EXPECTED_CODECS) == 21
+    sig = [r["signature"] for r in results]
+    assert {s["key_ptr"] for s in sig} == {"*bf16", "*fp16", "*fp32", "*u8"}
+    assert {s["kc_ptr"] for s in sig} == {"*bf16", "*fp16", "*fp32", "*u8", "*i16"}
+    assert {s["slot_ptr"] for s in sig} == {"*i64", "*i32"}
+    assert {s["slot_stride"] for s in sig} == {"constexpr", "i32"}
+    c = [r["constexprs"] for r in results]
+    assert {x["XK"] for x in c} == {1, 4, 8, 16}            # NHD and head-major x for 4-, 2- and 1-byte caches
+    assert any(x["DK"] != x["DV"] for x in c)               # diffkv
+    assert any(x["H"] == 13 and x["DK"] == 80 for x in c)   # non-power-of-two heads and dims
+    assert any(x["BS"] == 544 for x in c)                   # non-power-of-two block size
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_software_codec_exactly_where_platform_is_not_native(matrix, target):
+    tgt = TARGETS_BY_NAME[target]
+    assert {f.name for f in layout.FP8_FORMATS if platform.native_fp8(tgt, f)} == EXPECTED_NATIVE[target]
+    for r in _by_target(matrix)[target]:
+        c = r["constexprs"]
+        if c["OUT_KIND"] == FP8:
+            assert c["SW_OUT"] == (FMT[c["OUT_FP8"]].name not in EXPECTED_NATIVE[target]), r["name"]
+        if c["IN_FP8"] and c["OUT_KIND"] != COPY:
+            assert c["SW_IN"] == (FMT[c["IN_FP8"]].name not in EXPECTED_NATIVE[target]), r["name"]
+        # the assembly holds hardware fp8 conversions exactly where the hardware path was chosen
+        if r["ok"]:   # (failures are reported by test_every_case_compiles_on_every_target)
+            assert _hw_conversions(r) == _expected_hw(r), (r["name"], r["fp8_instructions"])
+
+
+def test_both_fp8_paths_are_in_the_matrix(matrix):
+    by_target = _by_target(matrix)
+
+    def paths(target, flag, code_key):
+        return {(r["constexprs"][code_key], r["constexprs"][flag]) for r in by_target[target]
+                if r["constexprs"]["OUT_KIND"] != COPY and r["constexprs"][code_key]}
+
+    assert paths("sm_80", "SW_OUT", "OUT_FP8") == {(1, True), (2, True), (3, True)}
+    assert paths("sm_80", "SW_IN", "IN_FP8") == {(1, True), (2, True), (3, True)}
+    assert paths("sm_90", "SW_OUT", "OUT_FP8") == {(1, False), (2, True), (3, False)}
+    assert paths("sm_90", "SW_IN", "IN_FP8") == {(1, False), (2, True), (3, False)}
+    assert paths("gfx942", "SW_OUT", "OUT_FP8") == {(1, True), (2, False), (3, True)}
+    assert paths("gfx90a", "SW_OUT", "OUT_FP8") == {(1, True), (2, True), (3, True)}
+
+
+def test_sm90_ptx_converts_in_hardware_and_sm80_does_not(matrix):
+    results = {(r["target"], r["name"]): r for r in matrix["results"]}
+    case = "flash_nhd.bf16-fp8:u8.h8d128.bs16"
+    for key in (("sm_90", case), ("sm_80", case), ("sm_90", "flash_nhd.e4m3fn-auto:fp32.h8d128.bs16")):
+        assert results[key]["ok"], results[key]["error"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in results["sm_90", case]["fp8_instructions"]
+    e5m2_case = "flash_nhd.bf16-fp8_e5m2:u8.h8d128.bs16"
+    assert "cvt.rn.satfinite.e5m2x2.f32" in results["sm_90", e5m2_case]["fp8_instructions"]
+    assert "cvt.rn.f16x2.e4m3x2" in results["sm_90", "flash_nhd.e4m3fn-auto:fp32.h8d128.bs16"]["fp8_instructions"]
+    for target in ("sm_80", "sm_86", "gfx90a"):
+        assert not [r["name"] for r in matrix["results"] if r["target"] == target and r["fp8_instructions"]]
+    assert results["gfx942", case]["fp8_instructions"] == ["v_cvt_pk_fp8_f32"]   # platform e4m3 is FNUZ there
+
+
+def test_hardware_fp8_probe_agrees_with_platform(matrix):
+    probes = matrix["fp8_probe"]
+    assert len(probes) == len(TARGETS) * 3 * 2
+    wrong = [p for p in probes if p["native"] and not p["ok"]]
+    assert not wrong, wrong
+    failing = {(p["target"], p["format"]) for p in probes if not p["ok"]}
+    # Triton has no OCP e4m3 below sm_89 and no FNUZ e4m3 on any NVIDIA GPU: why the software codec exists
+    assert failing == {("sm_80", "e4m3fn"), ("sm_86", "e4m3fn")} | {(t, "e4m3fnuz") for t in TARGETS[:6]}
+    assert all("not supported" in p["error"] for p in probes if not p["ok"])
+
+
+# --- the matrix describes what the launcher really passes ----------------------------------------
+
+_LAUNCH_SPECS = [
+    ("flash", "nhd", torch.bfloat16, "auto", torch.bfloat16, 8, 128, 128, 16),
+    ("flash", "nhd", torch.float16, "auto", torch.bfloat16, 13, 80, 80, 16),
+    ("flash", "nhd", torch.float8_e4m3fn, "fp8", torch.float8_e4m3fnuz, 8, 128, 128, 16),
+    ("flash", "nhd", torch.float32, "fp8_e5m2", torch.float8_e5m2, 8, 128, 128, 16),
+    ("flash", "head_major", torch.bfloat16, "fp8", torch.uint8, 8, 128, 128, 16),
+    ("flash", "head_major", torch.bfloat16, "auto", torch.float32, 13, 80, 80, 544),
+    ("diffkv", "nhd", torch.float8_e5m2, "auto", torch.bfloat16, 13, 80, 48, 16),
+    ("diffkv", "nhd", torch.bfloat16, "fp8", torch.uint8, 8, 192, 128, 64),
+]
+_LAUNCH_OPTIONS = [{}, {"slot_dtype": torch.int32}, {"slot_stride": 2}, {"aligned": False}]
+
+
+def _call_op(device, op, lay, in_dtype, kv_cache_dtype, cache_dtype, h, dk, dv, bs, slot_dtype=torch.int64,
+             slot_stride=1, aligned=True):
+    """Call the op with real tensors shaped as `cache_kernels.matrix_launch` describes them."""
+    tokens, nb = 3, 4
+    if aligned:
+        key, value = (torch.randn(tokens, h, d, device=device).to(in_dtype) for d in (dk, dv))
+    else:
+        packed = torch.randn(tokens, h * (dk + dv) + 1, device=device).to(in_dtype)
+        key = packed[:, 1:1 + h * dk].unflatten(1, (h, dk))
+        value = packed[:, 1 + h * dk:].unflatten(1, (h, dv))
+    slots = torch.arange(0, tokens * slot_stride, dtype=slot_dtype, device=device)[::slot_stride]
+    scale = torch.ones(1, device=device)
+    zeros = dict(dtype=cache_dtype, device=device)
+    if op == "diffkv":
+        torch_dsv4_ops.reshape_and_cache_flash_diffkv(key, value, torch.zeros(nb, bs, h, dk + dv, **zeros), slots,
+                                                      kv_cache_dtype, scale, scale)
+        return
+    if lay == "head_major":
+        x = layout.head_major_x(cache_dtype)
+        kc, vc = torch.zeros(nb, h, dk // x, bs, x, **zeros), torch.zeros(nb, h, dv, bs, **zeros)
+    else:
+        kc, vc = torch.zeros(nb, bs, h, dk, **zeros), torch.zeros(nb, bs, h, dv, **zeros)
+    torch_dsv4_ops.reshape_and_cache_flash(key, value, kc, vc, slots, kv_cache_dtype, scale, scale)
+
+
+class _LaunchRecorder:
+    """Stands in for the kernel launcher: records (runtime args, meta) of each launch, runs nothing."""
+
+    def __init__(self, launcher):
+        self._launcher = launcher
+        self.calls = []
+
+    def __getattr__(self, name):
+        return getattr(self._launcher, name)
+
+    def __call__(self, *args, **kwargs):
+        values = list(args) + list(kwargs.values())
+        runtime = next(a for a in values if isinstance(a, tuple) and a and isinstance(a[0], torch.Tensor))
+        meta = next(a for a in values if isinstance(a, dict) and "num_warps" in a)
+        self.calls.append((runtime, dict(meta)))
+
+
+@pytest.mark.parametrize("options", _LAUNCH_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("spec", _LAUNCH_SPECS, ids=lambda s: f"{s[0]}-{s[1]}-{s[2]}-{s[3]}-{s[4]}")
+def test_matrix_launch_matches_the_launcher(monkeypatch, spec, options):
+    """The arguments the op hands to the kernel equal those `matrix_launch` describes (so the matrix
+    compiles what really launches): tensor dtypes and alignment, every int, every constexpr."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not platform.INTERPRET:
+        pytest.skip("the CPU ops run the Triton launcher only under TRITON_INTERPRET=1")
+    recorder = _LaunchRecorder(cache_kernels.LAUNCHER)
+    monkeypatch.setattr(cache_kernels, "LAUNCHER", recorder)
+    _call_op(device, *spec, **options)
+    assert len(recorder.calls) == 1
+    runtime, meta = recorder.calls[0]
+    name, tensors, ints, expected_meta = cache_kernels.matrix_launch(platform.target_for(device), *spec, **options)
+    n = len(tensors)
+    assert [t.dtype for t in runtime[:n]] == [p.dtype for p in tensors], name
+    assert [t.data_ptr() % 16 == 0 for t in runtime[:n]] == [p.aligned for p in tensors], name
+    assert tuple(runtime[n:]) == tuple(ints), name
+    assert meta == expected_meta, name

@@ -1,0 +1,263 @@
+"""Ahead-of-time compile matrix: build every kernel specialisation the ops launch, for every target in
+`platform.MATRIX_TARGETS`, with `triton.compile` on a machine without a GPU.
+
+    python -m torch_dsv4_ops.compile_matrix [--json PATH] [--targets sm_80 gfx942 ...] [--filter REGEX]
+                                            [--jobs N] [--cache-dir DIR] [--quiet]
+
+Each kernel module listed in `MATRIX_MODULES` provides `matrix_cases(target) -> list[KernelCase]`
+(kernels/matrix.py). Every case is compiled to PTX+cubin (CUDA) or AMDGCN+hsaco (HIP) in a process
+pool; the fp8 conversion instructions of each result are recorded, so tests can check which fp8 path
+(hardware casts or the software codec) each target really compiled. A probe also compiles the
+hardware fp8 casts alone for each format and target, to check `platform.native_fp8` against Triton.
+
+Triton must not run in interpreter mode here: the CLI re-executes itself without TRITON_INTERPRET.
+Exit status 1 if any case fails, or a format that `platform.native_fp8` calls native fails the probe.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import importlib
+import json
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import time
+import traceback
+
+import triton
+import triton.language as tl
+
+from . import layout, platform
+from .kernels.fp8 import fp8_decode, fp8_encode
+from .kernels.matrix import KernelCase, gpu_target
+
+# Modules with `matrix_cases(target)`: adding a kernel module to the matrix is one line here.
+MATRIX_MODULES = (
+    "torch_dsv4_ops.kernels.cache",
+)
+
+_FP8_INSTRUCTION = {
+    "cuda": re.compile(r"\bcvt\.[\w.]*?(?:e4m3|e5m2)x2[\w.]*"),
+    "hip": re.compile(r"\bv_cvt\w*?(?:fp8|bf8)\w*"),
+}
+
+
+def target_name(target: platform.Target) -> str:
+    """'sm_90' for CUDA, the gfx name for HIP."""
+    return f"sm_{target.arch}" if target.backend == "cuda" else str(target.arch)
+
+
+TARGETS_BY_NAME = {target_name(t): t for t in platform.MATRIX_TARGETS}
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """The outcome of compiling one case for one target."""
+
+    module: str
+    name: str
+    target: str
+    ok: bool
+    seconds: float
+    error: str = ""
+    num_warps: int = 0
+    signature: dict = dataclasses.field(default_factory=dict)
+    constexprs: dict = dataclasses.field(default_factory=dict)
+    fp8_instructions: list = dataclasses.field(default_factory=list)   # fp8 cvt mnemonics in the PTX/AMDGCN
+
+
+def compile_case(case: KernelCase, target: platform.Target):
+    """`triton.compile` one case for `target`; returns triton's compiled kernel (asm in `.asm`)."""
+    from triton.compiler import ASTSource
+    src = ASTSource(fn=case.fn, signature=case.signature, constexprs=case.constexprs, attrs=case.attrs)
+    return triton.compile(src, target=gpu_target(target), options={"num_warps": case.num_warps})
+
+
+def fp8_instructions(compiled, target: platform.Target) -> list[str]:
+    """The distinct fp8 conversion instructions in a compiled kernel's PTX or AMDGCN."""
+    asm = compiled.asm.get("ptx" if target.backend == "cuda" else "amdgcn", "")
+    if isinstance(asm, bytes):
+        asm = asm.decode()
+    return sorted(set(_FP8_INSTRUCTION[target.backend].findall(asm)))
+
+
+def _error_text(exc: BaseException) -> str:
+    """The exception and its causes, innermost (Triton's real message) first, at most ~4000 characters."""
+    chain = []
+    while exc is not None and len(chain) < 8:
+        chain.append("".join(traceback.format_exception_only(type(exc), exc)).strip())
+        exc = exc.__cause__ or exc.__context__
+    text = "\n--- raised from ---\n".join(reversed(chain))
+    return text if len(text) <= 4000 else text[:3000] + "\n...\n" + text[-1000:]
+
+
+def error_summary(error: str) -> str:
+    """One line of an error text: the innermost exception's message."""
+    first = error.split("\n--- raised from ---\n")[0]
+    lines = [ln.strip() for ln in first.splitlines() if ln.strip().strip("^")]
+    return lines[-1][:200] if lines else ""
+
+
+_CASES: dict = {}
+
+
+def module_cases(module: str, target: platform.Target) -> dict[str, KernelCase]:
+    """{name: case} of one kernel module for one target (cached per process)."""
+    key = (module, target)
+    if key not in _CASES:
+        _CASES[key] = {c.name: c for c in importlib.import_module(module).matrix_cases(target)}
+    return _CASES[key]
+
+
+def run_case(module: str, target: str, name: str) -> CaseResult:
+    """Compile one named case (the unit of work of the process pool)."""
+    tgt = TARGETS_BY_NAME[target]
+    case = module_cases(module, tgt)[name]
+    result = CaseResult(module, name, target, False, 0.0, num_warps=case.num_warps,
+                        signature=dict(case.signature), constexprs=dict(case.constexprs))
+    start = time.perf_counter()
+    try:
+        compiled = compile_case(case, tgt)
+        result.ok = True
+        result.fp8_instructions = fp8_instructions(compiled, tgt)
+    except Exception as exc:   # a failed compile is a result, not a crash
+        result.error = _error_text(exc)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+# --- hardware fp8 probe ----------------------------------------------------------------------
+
+@triton.jit
+def _fp8_probe_kernel(src_ptr, dst_ptr, FMT: tl.constexpr, ENCODE: tl.constexpr):
+    i = tl.arange(0, 128)
+    if ENCODE:
+        tl.store(dst_ptr + i, fp8_encode(tl.load(src_ptr + i), FMT, False))
+    else:
+        tl.store(dst_ptr + i, fp8_decode(tl.load(src_ptr + i), FMT, False))
+
+
+def probe_fp8(target: str, fmt_code: int, encode: bool) -> dict:
+    """Whether the hardware fp32 <-> fp8 cast of one format compiles for `target`."""
+    from triton.compiler import ASTSource
+    tgt, fmt = TARGETS_BY_NAME[target], layout.FP8_BY_CODE[fmt_code]
+    sig = {"src_ptr": "*fp32" if encode else "*u8", "dst_ptr": "*u8" if encode else "*fp32",
+           "FMT": "constexpr", "ENCODE": "constexpr"}
+    out = dict(target=target, format=fmt.name, direction="encode" if encode else "decode",
+               native=platform.native_fp8(tgt, fmt), ok=False, error="", instructions=[])
+    try:
+        src = ASTSource(fn=_fp8_probe_kernel, signature=sig, constexprs={"FMT": fmt_code, "ENCODE": encode})
+        compiled = triton.compile(src, target=gpu_target(tgt), options={"num_warps": 1})
+        out.update(ok=True, instructions=fp8_instructions(compiled, tgt))
+    except Exception as exc:
+        out["error"] = _error_text(exc)
+    return out
+
+
+# --- runner ------------------------------------------------------------------------------------
+
+def _tasks(targets, pattern: str | None = None) -> list[tuple[str, str, str]]:
+    match = re.compile(pattern).search if pattern else (lambda name: True)
+    return [(module, target_name(t), name)
+            for t in targets for module in MATRIX_MODULES for name in module_cases(module, t) if match(name)]
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on (not the host's count), at most 16."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, 16))
+
+
+def run_matrix(targets=platform.MATRIX_TARGETS, jobs: int | None = None, pattern: str | None = None):
+    """Compile every case (whose name matches the regex `pattern`) for every target in a process pool
+    of `jobs` workers (default: `default_jobs()`); returns (case results, fp8 probe results).
+
+    The Triton cache directory in the environment is used as is (the CLI points it at a fresh
+    temporary directory, so every case really compiles).
+    """
+    tasks = _tasks(targets, pattern)
+    if not tasks:
+        raise ValueError(f"no matrix case matches {pattern!r}")
+    probes = [(target_name(t), f.code, enc) for t in targets for f in layout.FP8_FORMATS for enc in (True, False)]
+    jobs = max(1, min(jobs or default_jobs(), len(tasks)))
+    ctx = multiprocessing.get_context("spawn")   # never fork a process that has imported torch
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        futures = [pool.submit(run_case, *task) for task in tasks]
+        probe_futures = [pool.submit(probe_fp8, *p) for p in probes]
+        results = [f.result() for f in futures]
+        probe_results = [f.result() for f in probe_futures]
+    return results, probe_results
+
+
+def probe_contradictions(probes: list[dict]) -> list[dict]:
+    """Probes where `platform.native_fp8` says native but the hardware cast does not compile."""
+    return [p for p in probes if p["native"] and not p["ok"]]
+
+
+def _print_report(results, probes, wall: float, jobs: int, quiet: bool) -> None:
+    width = max([len(r.name) for r in results] + [6])
+    if not quiet:
+        print(f"{'kernel':<{width}}  {'target':<7} {'result':<6} {'seconds':>7}")
+    for r in results:
+        if not quiet or not r.ok:
+            print(f"{r.name:<{width}}  {r.target:<7} {'ok' if r.ok else 'FAIL':<6} {r.seconds:7.2f}")
+            if not r.ok:
+                print(f"    {error_summary(r.error)}")
+    print("\nhardware fp8 casts (probe): target, format, direction -> compiles / platform.native_fp8")
+    for p in probes:
+        detail = " ".join(p["instructions"]) if p["ok"] else error_summary(p["error"])
+        flag = "   <-- platform.native_fp8 says native" if p["native"] and not p["ok"] else ""
+        print(f"  {p['target']:<7} {p['format']:<9} {p['direction']:<6} -> {'ok' if p['ok'] else 'FAIL':<4} / "
+              f"{'native' if p['native'] else 'software':<8}  {detail}{flag}")
+    counts = {}
+    for r in results:
+        counts[r.target] = counts.get(r.target, 0) + 1
+    failed = sum(not r.ok for r in results)
+    per_target = ", ".join(f"{t}: {n}" for t, n in counts.items())
+    print(f"\n{len(results)} compiles over {len(counts)} targets ({per_target}), "
+          f"{failed} failed, {len(probe_contradictions(probes))} probe contradictions; "
+          f"wall {wall:.1f} s with {jobs} jobs ({sum(r.seconds for r in results):.1f} s compiling)")
+
+
+def _reexec_without_interpreter(argv) -> None:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    os.execve(sys.executable, [sys.executable, "-m", "torch_dsv4_ops.compile_matrix", *argv], env)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m torch_dsv4_ops.compile_matrix", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="write every result (and the fp8 probe) as JSON")
+    parser.add_argument("--targets", nargs="+", choices=list(TARGETS_BY_NAME), default=list(TARGETS_BY_NAME))
+    parser.add_argument("--filter", metavar="REGEX", help="only the cases whose name matches REGEX")
+    parser.add_argument("--jobs", type=int, default=default_jobs(), help="worker processes (default: usable CPUs)")
+    parser.add_argument("--cache-dir", help="Triton cache directory (default: a fresh temporary one)")
+    parser.add_argument("--quiet", action="store_true", help="print only failures and the summary")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        _reexec_without_interpreter(argv)
+    targets = [TARGETS_BY_NAME[n] for n in args.targets]
+    with tempfile.TemporaryDirectory(prefix="dsv4-compile-matrix-") as tmp:
+        os.environ["TRITON_CACHE_DIR"] = args.cache_dir or tmp
+        jobs = max(1, args.jobs)
+        start = time.perf_counter()
+        results, probes = run_matrix(targets, jobs, args.filter)
+        wall = time.perf_counter() - start
+    _print_report(results, probes, wall, jobs, args.quiet)
+    if args.json:
+        import torch
+        payload = dict(triton=triton.__version__, torch=torch.__version__, jobs=jobs, wall_seconds=wall,
+                       targets=args.targets, modules=list(MATRIX_MODULES),
+                       results=[dataclasses.asdict(r) for r in results], fp8_probe=probes)
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 1 if any(not r.ok for r in results) or probe_contradictions(probes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
