@@ -39,9 +39,12 @@ class FastLauncher:
         if not self.direct:
             self.fn[grid](*args, **meta)
             return
+        # Tensors go to the compiled launcher as raw device addresses: for a tensor it would call
+        # data_ptr() and cuPointerGetAttribute (a driver call) on each, per launch.
+        ptrs = [args[i].data_ptr() for i in range(num_tensors)]
         aligned = 0
-        for i in range(num_tensors):
-            aligned |= (args[i].data_ptr() & 15 == 0) << i
+        for i, p in enumerate(ptrs):
+            aligned |= (p & 15 == 0) << i
         key = (plan_key, aligned, device.index)
         compiled = self._compiled.get(key)
         if compiled is None or self._runtime.launch_enter_hook is not None \
@@ -51,7 +54,8 @@ class FastLauncher:
             return
         stream = torch._C._cuda_getCurrentRawStream(device.index)
         compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                     compiled.function, compiled.packed_metadata, None, None, None, *args, *constexpr_values)
+                     compiled.function, compiled.packed_metadata, None, None, None, *ptrs, *args[num_tensors:],
+                     *constexpr_values)
 
     def intern(self, specialisation: tuple) -> int:
         """A small int naming `specialisation` (tensor dtypes, int arguments, constexprs): the

@@ -84,21 +84,17 @@ def _to_cache(x, scale, IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: t
 
 
 @triton.jit
-def _write_tile(src_ptr, dst_ptr, t, dst_base, h, h_ok, store_ok, scale_ptr,
-                s_t, s_h, s_d, c_h, c_dx, c_di,
-                D: tl.constexpr, X: tl.constexpr, BLOCK_D: tl.constexpr,
-                IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: tl.constexpr, SCALED: tl.constexpr,
-                SW_IN: tl.constexpr, SW_OUT: tl.constexpr):
+def _load_tile(src_ptr, t, h, h_ok, s_t, s_h, s_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
-    d_ok = (d < D)[None, :]
-    # the load does not wait for the slot: token t < T is always inside the input
-    x = tl.load(src_ptr + t * s_t + h[:, None] * s_h + d[None, :] * s_d, mask=h_ok[:, None] & d_ok)
-    scale = 1.0
-    if SCALED:
-        scale = tl.load(scale_ptr)
-    y = _to_cache(x, scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, SW_IN, SW_OUT)
+    return tl.load(src_ptr + t * s_t + h[:, None] * s_h + d[None, :] * s_d, mask=h_ok[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _store_tile(dst_ptr, dst_base, y, h, store_ok, c_h, c_dx, c_di, D: tl.constexpr, X: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
     inner = h[:, None] * c_h + (d // X)[None, :] * c_dx + (d % X)[None, :] * c_di
-    tl.store(dst_ptr + dst_base + inner, y, mask=store_ok[:, None] & d_ok)
+    tl.store(dst_ptr + dst_base + inner, y, mask=store_ok[:, None] & (d < D)[None, :])
 
 
 @triton.jit
@@ -112,21 +108,30 @@ def flash_cache_write_kernel(
     IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: tl.constexpr, SCALED: tl.constexpr,
     SW_IN: tl.constexpr, SW_OUT: tl.constexpr,
 ):
+    # Every load is issued before any store: a load after a store cannot be hoisted above it (the
+    # compiler must assume they alias), which would put two memory round trips on the path.
     t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
     slot = tl.load(slot_ptr + t * slot_stride).to(tl.int64)
+    # token t < T is always inside key/value: their loads need not wait for the slot
+    k = _load_tile(key_ptr, t, h, h_ok, k_st, k_sh, k_sd, DK, BLOCK_DK)
+    v = _load_tile(value_ptr, t, h, h_ok, v_st, v_sh, v_sd, DV, BLOCK_DV)
+    k_scale = 1.0
+    v_scale = 1.0
+    if SCALED:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     valid = (slot >= 0) & (slot < num_slots)        # every negative slot and every slot past the cache: skip
     slot = tl.where(valid, slot, 0)
     blk = slot // BS
     off = slot % BS
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < H
-    store_ok = h < tl.where(valid, H, 0)   # h_ok & valid, as a tensor-only mask (interpreter)
-    _write_tile(key_ptr, kc_ptr, t, blk * kc_blk + off * kc_off, h, h_ok, store_ok, k_scale_ptr,
-                k_st, k_sh, k_sd, kc_h, kc_dx, kc_di,
-                DK, XK, BLOCK_DK, IN_FP8, OUT_KIND, OUT_FP8, SCALED, SW_IN, SW_OUT)
-    _write_tile(value_ptr, vc_ptr, t, vc_start + blk * vc_blk + off * vc_off, h, h_ok, store_ok, v_scale_ptr,
-                v_st, v_sh, v_sd, vc_h, vc_dx, vc_di,
-                DV, XV, BLOCK_DV, IN_FP8, OUT_KIND, OUT_FP8, SCALED, SW_IN, SW_OUT)
+    store_ok = h < tl.where(valid, H, 0)            # h_ok & valid, as a tensor-only mask (interpreter)
+    k = _to_cache(k, k_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, SW_IN, SW_OUT)
+    v = _to_cache(v, v_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, SW_IN, SW_OUT)
+    _store_tile(kc_ptr, blk * kc_blk + off * kc_off, k, h, store_ok, kc_h, kc_dx, kc_di, DK, XK, BLOCK_DK)
+    _store_tile(vc_ptr, vc_start + blk * vc_blk + off * vc_off, v, h, store_ok, vc_h, vc_dx, vc_di, DV, XV,
+                BLOCK_DV)
 
 
 @dataclasses.dataclass(frozen=True)

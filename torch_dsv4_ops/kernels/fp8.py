@@ -54,7 +54,8 @@ def _decode_sw(code, MAN: tl.constexpr, BIAS: tl.constexpr, FMT: tl.constexpr, S
         val = tl.where(mag == 0x7F, float("nan"), val)
     elif FMT == 3:
         val = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), val)
-    val = tl.where(sign == 1, -val, val)
+    # the sign as a bit: compiled `-val` is 0 - val, which turns -0 into +0
+    val = (val.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
     if FMT == 2:
         val = tl.where(c == 0x80, float("nan"), val)
     return val
