@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine: `bash scripts/gpu_suite.sh` from the repo root, with $OUT set.
-# Writes (5 files): $OUT/env.txt, $OUT/gpu_tests.log, $OUT/bench.log, $OUT/bench/bench_cache.{json,png}.
+# Writes (7 files): $OUT/env.txt, $OUT/gpu_tests.log, $OUT/bench.log, $OUT/selfcheck.txt,
+# $OUT/bench/bench_cache.{json,png}, $OUT/bench/probe_launch.txt.
 # Runs the benchmarks even when tests fail; exits with pytest's status.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -35,6 +36,10 @@ test_rc=$?
 echo "==== benchmarks ===="
 timeout -k 10 240 python3 -m benchmarks.run --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
+
+echo "==== self-check (python -m torch_dsv4_ops) ===="
+timeout -k 10 120 python3 -m torch_dsv4_ops 2>&1 | tee "$OUT/selfcheck.txt"
+timeout -k 10 120 python3 -m benchmarks.probe_launch > "$OUT/bench/probe_launch.txt" 2>&1
 
 echo
 echo "==== gpu_suite summary ===="
