@@ -11,7 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADER_KEYS = ("family", "device", "device_type", "torch", "triton", "date", "quick", "methods", "copy_ceiling",
                "cases", "host_overhead", "targets", "all_targets_pass", "errors")
 CASE_KEYS = ("name", "series", "params", "method", "bytes", "nsets", "us", "gbps", "pct_of_copy", "check")
-TARGETS = ("bf16_T65536_pct_of_copy", "fp8_T65536_pct_of_copy", "graph_us_per_call_T_le_64",
+TARGETS = ("bf16_T65536_pct_of_copy", "fp8_T65536_pct_of_copy", "graph_us_per_call_T_le_64_cold",
+           "graph_us_per_call_T_le_64_decode_step",
            "eager_host_overhead_ratio_T1")
 
 

@@ -422,3 +422,52 @@ def test_large_random_batch_matches_reference():
         case = FlashCase(kv_cache_dtype=kv, cache_dtype=cdt, heads=8, dim=128, bs=16, num_blocks=600,
                          tokens=4096, seed=11)
         run_flash(case, "cuda")
+
+
+@pytest.mark.gpu
+def test_repeated_launches_bypass_triton_jit(monkeypatch):
+    """After the first call of a signature, launches go straight to the compiled kernel (the
+    eager host-overhead path): Triton's JIT run is not entered again, whatever the slot values."""
+    case = FlashCase(kv_cache_dtype="fp8", cache_dtype=torch.uint8, heads=8, dim=128, bs=16, num_blocks=8, tokens=4)
+    args = case.args("cuda", case.base.clone().cuda())
+    d.reshape_and_cache_flash(*args)
+    entered = []
+    jit_run = kernels.flash_cache_write_kernel.run
+    monkeypatch.setattr(kernels.flash_cache_write_kernel, "run",
+                        lambda *a, **k: (entered.append(1), jit_run(*a, **k))[1])
+    for shift in range(3):
+        args[4].copy_(torch.roll(args[4], 1))
+        d.reshape_and_cache_flash(*args)
+    torch.cuda.synchronize()
+    assert entered == [], "repeated launches went through Triton's JIT path"
+
+
+@pytest.mark.parametrize("div64", [True, False], ids=["fp64-reciprocal", "fp32-div_rn"])
+@pytest.mark.parametrize("fmt", layout.FP8_FORMATS, ids=lambda f: f.name)
+def test_scaled_fp8_division_is_exact(device, div64, fmt):
+    """Both ways the kernel divides by the per-tensor scale (fp32(x * fp64(1/s)) where fp64 is fast,
+    IEEE fp32 division elsewhere) give the bytes of torch's clamp(x / s).to(fp8): every finite bf16
+    value and random finite fp32 bit patterns, against scales chosen to stress rounding."""
+    target = platform.target_for(device)
+    codec = kernels.Codec(layout.NOT_FP8, kernels.FP8, fmt.code, True, False,
+                          not platform.native_fp8(target, fmt), div64)
+    g = torch.Generator().manual_seed(5)
+    every_bf16 = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    patterns = torch.randint(-2**31, 2**31, (65536,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([every_bf16, patterns])
+    x = x[torch.isfinite(x)]
+    tokens, dim = 32, 4096
+    x = torch.cat([x, torch.randn(tokens * dim - x.numel(), generator=g)])[: tokens * dim].view(tokens, 1, dim)
+    for k_scale, v_scale in ((1 / 3, 0.0517), (7.0, 1e-30), (3e30, 1.1754944e-38), (1e-40, 0.3)):
+        ks, vs = torch.tensor([k_scale]), torch.tensor([v_scale])
+        kc = torch.zeros(tokens, 1, 1, dim, dtype=torch.uint8, device=device)
+        vc = torch.zeros_like(kc)
+        geo = kernels.nhd_geometry(kc)
+        meta = kernels.constexprs(1, dim, dim, geo, geo, 1, codec, target)
+        xd = x.to(device)
+        ints = kernels.runtime_args(tokens, 1, 0, xd.stride(), xd.stride(), geo, geo)
+        kernels.flash_cache_write_kernel[(tokens, 1)](xd, xd, kc, vc, torch.arange(tokens, device=device),
+                                                      ks.to(device), vs.to(device), *ints, **meta)
+        for cache, scale in ((kc, ks), (vc, vs)):
+            want = (x / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8).view(tokens, 1, 1, dim)
+            assert_bitwise_equal(cache.cpu(), want, f"{fmt.name} x / {scale.item():g}")

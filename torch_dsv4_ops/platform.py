@@ -82,6 +82,17 @@ def native_fp8(target: Target, fmt: layout.Fp8Format) -> bool:
     return False
 
 
+def fast_fp64(target: Target) -> bool:
+    """Whether fp64 arithmetic runs at a useful rate (datacenter NVIDIA parts, AMD CDNA).
+
+    Kernels divide by a per-tensor scale exactly as fp32(x * fp64(1/scale)) there, and with the
+    slower per-element IEEE fp32 division on parts with 1/64-rate fp64 (sm_86, sm_89, sm_120).
+    """
+    if target.backend == "cuda":
+        return target.arch in (80, 90, 100)
+    return target.backend in ("hip", "interpreter")
+
+
 def num_warps_for(target: Target, elements: int, per_thread: int = 8) -> int:
     """Warps for a tile of `elements`, about `per_thread` elements per lane, 1..8 warps (64-wide on AMD)."""
     warps = max(1, elements // (per_thread * target.warp_size))

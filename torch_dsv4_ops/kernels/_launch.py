@@ -16,6 +16,11 @@ import torch
 from .. import platform
 
 
+def _hook_set(hook) -> bool:
+    """A launch hook is in use: not None and, for Triton's HookChain (3.6+, always present), non-empty."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class FastLauncher:
     """Launch one @triton.jit kernel whose constexpr parameters all follow its runtime parameters."""
 
@@ -47,8 +52,8 @@ class FastLauncher:
             aligned |= (p & 15 == 0) << i
         key = (plan_key, aligned, device.index)
         compiled = self._compiled.get(key)
-        if compiled is None or self._runtime.launch_enter_hook is not None \
-                or self._runtime.launch_exit_hook is not None:
+        if compiled is None or _hook_set(self._runtime.launch_enter_hook) \
+                or _hook_set(self._runtime.launch_exit_hook):
             compiled = self.fn[grid](*args, **meta)
             self._compiled[key] = compiled
             return

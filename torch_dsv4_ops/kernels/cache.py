@@ -31,6 +31,7 @@ class Codec:
     scaled: bool = False              # divide by the per-tensor scale (float input into fp8)
     sw_in: bool = False               # decode the input with the software codec
     sw_out: bool = False              # encode with the software codec
+    div64: bool = False               # x / scale as fp32(x * fp64(1 / scale)) (exact, see _to_cache)
 
 
 def make_codec(in_dtype, cache_dtype, fmt: layout.Fp8Format | None, target: platform.Target) -> Codec:
@@ -41,7 +42,9 @@ def make_codec(in_dtype, cache_dtype, fmt: layout.Fp8Format | None, target: plat
     if fmt is not None:
         if in_fmt is fmt:
             return Codec(in_code, COPY)
-        return Codec(in_code, FP8, fmt.code, in_fmt is None, sw_in, not platform.native_fp8(target, fmt))
+        scaled = in_fmt is None
+        return Codec(in_code, FP8, fmt.code, scaled, sw_in, not platform.native_fp8(target, fmt),
+                     scaled and platform.fast_fp64(target))
     if in_dtype == cache_dtype:
         return Codec(in_code, COPY)
     return Codec(in_code, BF16 if cache_dtype == torch.bfloat16 else FLOAT, sw_in=sw_in)
@@ -63,7 +66,7 @@ def diffkv_v_start(kv_cache, dk: int) -> int:
 
 @triton.jit
 def _to_cache(x, scale, IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: tl.constexpr,
-              SCALED: tl.constexpr, SW_IN: tl.constexpr, SW_OUT: tl.constexpr):
+              SCALED: tl.constexpr, DIV64: tl.constexpr, SW_IN: tl.constexpr, SW_OUT: tl.constexpr):
     # one return at the end: compiled Triton rejects an early return followed by more code
     if OUT_KIND == 0:
         y = x
@@ -78,7 +81,15 @@ def _to_cache(x, scale, IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: t
             y = bf16_bits_rne(xf)
         else:
             if SCALED:
-                xf = tl.math.div_rn(xf, scale)
+                if DIV64:
+                    # scale holds fp64(1/s) = RN64(1/s). fp32(x * 1/s) == RN32(x / s) for all fp32 x, s:
+                    # the fp64 product is within 2**-52 (relative) of x/s, while x/s is never within
+                    # 2**-49 of an fp32 rounding midpoint m (x = s*m would need an odd 25-bit
+                    # significand in x; otherwise x - s*m is a nonzero multiple of 2**(ea+eb), which
+                    # is >= 2**-49 * s*m). No per-element division, so no serialised slow paths.
+                    xf = (xf.to(tl.float64) * scale).to(tl.float32)
+                else:
+                    xf = tl.math.div_rn(xf, scale)
             y = fp8_encode(xf, OUT_FP8, SW_OUT)
     return y
 
@@ -106,7 +117,7 @@ def flash_cache_write_kernel(
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, XK: tl.constexpr, XV: tl.constexpr,
     BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: tl.constexpr, SCALED: tl.constexpr,
-    SW_IN: tl.constexpr, SW_OUT: tl.constexpr,
+    DIV64: tl.constexpr, SW_IN: tl.constexpr, SW_OUT: tl.constexpr,
 ):
     # Every load is issued before any store: a load after a store cannot be hoisted above it (the
     # compiler must assume they alias), which would put two memory round trips on the path.
@@ -122,13 +133,16 @@ def flash_cache_write_kernel(
     if SCALED:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
+        if DIV64:   # the one IEEE division per program (see _to_cache)
+            k_scale = 1.0 / k_scale.to(tl.float64)
+            v_scale = 1.0 / v_scale.to(tl.float64)
     valid = (slot >= 0) & (slot < num_slots)        # every negative slot and every slot past the cache: skip
     slot = tl.where(valid, slot, 0)
     blk = slot // BS
     off = slot % BS
     store_ok = h < tl.where(valid, H, 0)            # h_ok & valid, as a tensor-only mask (interpreter)
-    k = _to_cache(k, k_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, SW_IN, SW_OUT)
-    v = _to_cache(v, v_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, SW_IN, SW_OUT)
+    k = _to_cache(k, k_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT)
+    v = _to_cache(v, v_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT)
     _store_tile(kc_ptr, blk * kc_blk + off * kc_off, k, h, store_ok, kc_h, kc_dx, kc_di, DK, XK, BLOCK_DK)
     _store_tile(vc_ptr, vc_start + blk * vc_blk + off * vc_off, v, h, store_ok, vc_h, vc_dx, vc_di, DV, XV,
                 BLOCK_DV)
@@ -176,7 +190,7 @@ def constexprs(h, dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_size, 
     """The kernel's constexpr arguments (and num_warps), shared by the launcher and the compile matrix."""
     return dict(H=h, DK=dk, DV=dv, XK=kgeo.x, XV=vgeo.x, BS=block_size,
                 IN_FP8=codec.in_fp8, OUT_KIND=codec.out_kind, OUT_FP8=codec.out_fp8, SCALED=codec.scaled,
-                SW_IN=codec.sw_in, SW_OUT=codec.sw_out, **tile_config(h, dk, dv, target))
+                DIV64=codec.div64, SW_IN=codec.sw_in, SW_OUT=codec.sw_out, **tile_config(h, dk, dv, target))
 
 
 TENSOR_ARGS = ("key", "value", "kc", "vc", "slot_mapping", "k_scale", "v_scale")   # the first 7 parameters
