@@ -24,48 +24,54 @@ def _one_ptr(p):
     tl.store(p, tl.load(p) + 1)
 
 
-def _warps_sweep(dev) -> None:
-    """fp8 (bf16 -> e4m3) kernel time per call vs num_warps: in a graph at T = 1 and 64 (hot key/value,
-    rotating slots) and by do_bench at T = 65536. Each thread's divisions run one after another."""
+def _tile_sweep(dev) -> None:
+    """Kernel time per call vs tile (heads per program, warps), bf16 -> bf16 and bf16 -> e4m3:
+    in a graph at small T (hot: one key/value set, cold: a fresh set per call; rotating slots)
+    and by do_bench at T = 65536."""
     from torch_dsv4_ops import layout, platform
 
     target = platform.target_for(dev)
     heads, dim, bs = 8, 128, 16
-    codec = kernels.make_codec(torch.bfloat16, torch.uint8, layout.E4M3FN, target)
-    for tokens in (1, 64, 65536):
-        nsets = 64 if tokens < 1024 else 4
-        num_slots = layout.round_up(2 * tokens * nsets, bs)
-        kc = torch.empty(num_slots // bs, bs, heads, dim, dtype=torch.uint8, device=dev)
-        geo = kernels.nhd_geometry(kc)
-        key = torch.randn(tokens, heads, dim, dtype=torch.bfloat16, device=dev)
-        slots = [torch.randperm(num_slots, device=dev)[:tokens] for _ in range(nsets)]
-        scale = torch.full((1,), 0.05, device=dev)
-        meta = kernels.constexprs(heads, dim, dim, geo, geo, bs, codec, target)
-        ints = kernels.runtime_args(num_slots, 1, 0, key.stride(), key.stride(), geo, geo)
-        grid = (tokens, -(-heads // meta["BLOCK_H"]))
-        for warps in (4, 8, 16):
-            m = dict(meta, num_warps=warps)
+    for kv, cache_dtype, fmt in (("auto", torch.bfloat16, None), ("fp8", torch.uint8, layout.E4M3FN)):
+        codec = kernels.make_codec(torch.bfloat16, cache_dtype, fmt, target)
+        for tokens in (1, 16, 64, 65536):
+            for hot in ((True, False) if tokens < 1024 else (True,)):
+                nsets = (64 if hot else 512) if tokens < 1024 else 4
+                num_slots = layout.round_up(2 * tokens * nsets, bs)
+                kc = torch.empty(num_slots // bs, bs, heads, dim, dtype=cache_dtype, device=dev)
+                geo = kernels.nhd_geometry(kc)
+                keys = [torch.randn(tokens, heads, dim, dtype=torch.bfloat16, device=dev)
+                        for _ in range(1 if hot else nsets)]
+                slots = [torch.randperm(num_slots, device=dev)[:tokens] for _ in range(nsets)]
+                scale = torch.full((1,), 0.05, device=dev)
+                base = kernels.constexprs(heads, dim, dim, geo, geo, bs, codec, target)
+                ints = kernels.runtime_args(num_slots, 1, 0, keys[0].stride(), keys[0].stride(), geo, geo)
+                for block_h, warps in ((8, 4), (8, 8), (4, 4), (2, 4), (2, 2), (1, 2), (1, 1)):
+                    m = dict(base, BLOCK_H=block_h, num_warps=warps)
+                    grid = (tokens, heads // block_h)
 
-            def call(i):
-                kernels.flash_cache_write_kernel[grid](key, key, kc, kc, slots[i % nsets], scale, scale, *ints, **m)
-            call(0)
-            torch.cuda.synchronize()
-            if tokens < 1024:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for i in range(100):
-                        call(i)
-                g.replay()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(10):
-                    g.replay()
-                end.record()
-                end.synchronize()
-                us = start.elapsed_time(end) * 1e3 / 1000
-            else:
-                us = 1e3 * triton.testing.do_bench(lambda: call(1), return_mode="median")
-            print(f"fp8 T={tokens:<6} num_warps={warps:<3} {us:8.2f} us/call")
+                    def call(i):
+                        k = keys[i % len(keys)]
+                        kernels.flash_cache_write_kernel[grid](k, k, kc, kc, slots[i % nsets], scale, scale, *ints, **m)
+                    call(0)
+                    torch.cuda.synchronize()
+                    if tokens < 1024:
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            for i in range(100):
+                                call(i)
+                        g.replay()
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        for _ in range(10):
+                            g.replay()
+                        end.record()
+                        end.synchronize()
+                        us = start.elapsed_time(end) * 1e3 / 1000
+                    else:
+                        us = 1e3 * triton.testing.do_bench(lambda: call(1), return_mode="median")
+                    print(f"{kv:<4} T={tokens:<6} {'hot ' if hot else 'cold'} BLOCK_H={block_h} warps={warps:<2} "
+                          f"{us:8.2f} us/call")
 
 
 def main() -> None:
@@ -110,7 +116,7 @@ def main() -> None:
     torch.cuda.synchronize()
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-    _warps_sweep(dev)
+    _tile_sweep(dev)
 
 
 if __name__ == "__main__":
