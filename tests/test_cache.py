@@ -471,3 +471,42 @@ def test_scaled_fp8_division_is_exact(device, div64, fmt):
         for cache, scale in ((kc, ks), (vc, vs)):
             want = (x / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8).view(tokens, 1, 1, dim)
             assert_bitwise_equal(cache.cpu(), want, f"{fmt.name} x / {scale.item():g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype,cache_dtype", [("auto", torch.bfloat16), ("fp8", torch.uint8)])
+def test_stream_order_in_graph(kv_cache_dtype, cache_dtype):
+    """Launched with programmatic dependent launch (sm_90+), the op still sees its predecessor's
+    writes, and two writes to one slot land in stream order, inside a captured graph."""
+    heads, dim, bs = 8, 128, 16
+    key = torch.randn(4, heads, dim, device="cuda").to(torch.bfloat16)
+    key2 = torch.randn(4, heads, dim, device="cuda").to(torch.bfloat16)
+    kc = torch.zeros(8, bs, heads, dim, dtype=cache_dtype, device="cuda")
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([3, 17, 40, 99], device="cuda")
+    scale = torch.full((1,), 0.05, device="cuda")
+    snapshot = torch.empty_like(kc)
+
+    def step():
+        key.mul_(-2)                                  # a torch kernel writes what the op reads
+        d.reshape_and_cache_flash(key, key, kc, vc, slots, kv_cache_dtype, scale, scale)
+        key2.add_(1)
+        d.reshape_and_cache_flash(key2, key2, kc, vc, slots, kv_cache_dtype, scale, scale)   # same slots
+        snapshot.copy_(kc)                            # a torch kernel reads what the op wrote
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        before2 = key2.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = torch.zeros_like(kc).cpu()
+        reference.reshape_and_cache_flash((before2 + 1).cpu(), (before2 + 1).cpu(), expected, expected.clone(),
+                                          slots.cpu(), kv_cache_dtype, scale.cpu(), scale.cpu(),
+                                          e4m3=e4m3_for("cuda"))
+        written = kc.cpu().view(torch.uint8).view(8 * bs, -1)[slots.cpu()]
+        assert_bitwise_equal(written, expected.view(torch.uint8).view(8 * bs, -1)[slots.cpu()], "last write")
+        assert_bitwise_equal(snapshot.cpu(), kc.cpu(), "snapshot after the op")

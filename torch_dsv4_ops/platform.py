@@ -93,6 +93,11 @@ def fast_fp64(target: Target) -> bool:
     return target.backend in ("hip", "interpreter")
 
 
+def supports_pdl(target: Target) -> bool:
+    """Programmatic dependent launch (griddepcontrol): NVIDIA sm_90 and newer."""
+    return target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 90
+
+
 def num_warps_for(target: Target, elements: int, per_thread: int = 8) -> int:
     """Warps for a tile of `elements`, about `per_thread` elements per lane, 1..8 warps (64-wide on AMD)."""
     warps = max(1, elements // (per_thread * target.warp_size))

@@ -17,6 +17,11 @@ from .. import layout, platform
 from ._launch import FastLauncher
 from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
 
+if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
+    gdc_wait = gdc_launch_dependents = None
+else:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 # How a value reaches the cache (constexpr OUT_KIND)
 COPY, FLOAT, BF16, FP8 = 0, 1, 2, 3
 
@@ -117,13 +122,18 @@ def flash_cache_write_kernel(
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, XK: tl.constexpr, XV: tl.constexpr,
     BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: tl.constexpr, SCALED: tl.constexpr,
-    DIV64: tl.constexpr, SW_IN: tl.constexpr, SW_OUT: tl.constexpr,
+    DIV64: tl.constexpr, SW_IN: tl.constexpr, SW_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
     # Every load is issued before any store: a load after a store cannot be hoisted above it (the
     # compiler must assume they alias), which would put two memory round trips on the path.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
+    if PDL:
+        # launched with programmatic dependent launch: let the next kernel start launching, and wait
+        # for the previous one (its writes visible, its reads done) before touching memory
+        gdc_launch_dependents()
+        gdc_wait()
     slot = tl.load(slot_ptr + t * slot_stride).to(tl.int64)
     # token t < T is always inside key/value: their loads need not wait for the slot
     k = _load_tile(key_ptr, t, h, h_ok, k_st, k_sh, k_sd, DK, BLOCK_DK)
@@ -190,7 +200,13 @@ def constexprs(h, dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_size, 
     """The kernel's constexpr arguments (and num_warps), shared by the launcher and the compile matrix."""
     return dict(H=h, DK=dk, DV=dv, XK=kgeo.x, XV=vgeo.x, BS=block_size,
                 IN_FP8=codec.in_fp8, OUT_KIND=codec.out_kind, OUT_FP8=codec.out_fp8, SCALED=codec.scaled,
-                DIV64=codec.div64, SW_IN=codec.sw_in, SW_OUT=codec.sw_out, **tile_config(h, dk, dv, target))
+                DIV64=codec.div64, SW_IN=codec.sw_in, SW_OUT=codec.sw_out, PDL=platform.supports_pdl(target),
+                **tile_config(h, dk, dv, target))
+
+
+def launch_options(meta: dict) -> dict:
+    """meta plus Triton's launch options it implies (programmatic dependent launch with PDL)."""
+    return dict(meta, launch_pdl=True) if meta.get("PDL") else meta
 
 
 TENSOR_ARGS = ("key", "value", "kc", "vc", "slot_mapping", "k_scale", "v_scale")   # the first 7 parameters

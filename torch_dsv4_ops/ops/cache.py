@@ -86,8 +86,9 @@ class _Plan:
         self.tokens = slot_mapping.shape[0]
         self.in_view, self.cache_view = kernels.kernel_views(key.dtype, kc.dtype, codec)
         heads, dk, dv = key.shape[1], key.shape[2], value.shape[2]
-        self.meta = kernels.constexprs(heads, dk, dv, kgeo, vgeo, block_size, codec, target)
-        self.constexpr_values = kernels.LAUNCHER.constexpr_values(self.meta)
+        constexprs = kernels.constexprs(heads, dk, dv, kgeo, vgeo, block_size, codec, target)
+        self.constexpr_values = kernels.LAUNCHER.constexpr_values(constexprs)
+        self.meta = kernels.launch_options(constexprs)
         self.grid = (self.tokens, -(-heads // self.meta["BLOCK_H"]))
         self.ints = kernels.runtime_args(num_slots, slot_mapping.stride(0), vc_start, key.stride(), value.stride(),
                                          kgeo, vgeo)
