@@ -196,13 +196,10 @@ _LAUNCH_SPECS = [
 _LAUNCH_OPTIONS = [{}, {"slot_dtype": torch.int32}, {"slot_stride": 2}, {"aligned": False}]
 
 
-_CALL_TOKENS = 3
-
-
 def _call_op(device, op, lay, in_dtype, kv_cache_dtype, cache_dtype, h, dk, dv, bs, slot_dtype=torch.int64,
              slot_stride=1, aligned=True):
     """Call the op with real tensors shaped as `cache_kernels.matrix_launch` describes them."""
-    tokens, nb = _CALL_TOKENS, 4
+    tokens, nb = 3, 4
     if aligned:
         key, value = (torch.randn(tokens, h, d, device=device).to(in_dtype) for d in (dk, dv))
     else:
@@ -254,8 +251,7 @@ def test_matrix_launch_matches_the_launcher(monkeypatch, spec, options):
     _call_op(device, *spec, **options)
     assert len(recorder.calls) == 1
     runtime, meta = recorder.calls[0]
-    name, tensors, ints, expected_meta = cache_kernels.matrix_launch(platform.target_for(device), *spec,
-                                                                     tokens=_CALL_TOKENS, **options)
+    name, tensors, ints, expected_meta = cache_kernels.matrix_launch(platform.target_for(device), *spec, **options)
     n = len(tensors)
     assert [t.dtype for t in runtime[:n]] == [p.dtype for p in tensors], name
     assert [t.data_ptr() % 16 == 0 for t in runtime[:n]] == [p.aligned for p in tensors], name

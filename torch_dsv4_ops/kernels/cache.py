@@ -187,30 +187,21 @@ def head_major_v_geometry(cache) -> CacheGeometry:
 TILE_ELEMENTS = 2048   # elements of K (and of V) one program writes, at most
 
 
-SMALL_T = 64   # up to this many tokens a call is latency-bound (decode steps)
-
-
-def tile_config(h: int, dk: int, dv: int, target: platform.Target, per_thread: int = 8) -> dict:
-    """Tile sizes and warps for H heads of Dk/Dv dims, about `per_thread` elements per lane."""
+def tile_config(h: int, dk: int, dv: int, target: platform.Target) -> dict:
+    """Tile sizes and warps for H heads of Dk/Dv dims."""
     block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     block_h = min(triton.next_power_of_2(h), max(1, TILE_ELEMENTS // max(block_dk, block_dv)))
     return dict(BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-                num_warps=platform.num_warps_for(target, block_h * max(block_dk, block_dv), per_thread))
+                num_warps=platform.num_warps_for(target, block_h * max(block_dk, block_dv)))
 
 
 def constexprs(h, dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_size, codec: Codec,
-               target: platform.Target, tokens: int | None = None) -> dict:
-    """The kernel's constexpr arguments (and num_warps), shared by the launcher and the compile matrix.
-
-    With `tokens` <= SMALL_T (a latency-bound call), scaled fp8 writes use twice the warps: each
-    lane's conversion chain (fp64 multiply, saturating cvt) halves. Larger T keep the tile that is
-    best for bandwidth (benchmarks/results/*/tile_sweep.txt). Two variants at most, not one per T.
-    """
-    small = tokens is not None and tokens <= SMALL_T
+               target: platform.Target) -> dict:
+    """The kernel's constexpr arguments (and num_warps), shared by the launcher and the compile matrix."""
     return dict(H=h, DK=dk, DV=dv, XK=kgeo.x, XV=vgeo.x, BS=block_size,
                 IN_FP8=codec.in_fp8, OUT_KIND=codec.out_kind, OUT_FP8=codec.out_fp8, SCALED=codec.scaled,
                 DIV64=codec.div64, SW_IN=codec.sw_in, SW_OUT=codec.sw_out, PDL=platform.supports_pdl(target),
-                **tile_config(h, dk, dv, target, 4 if codec.scaled and small else 8))
+                **tile_config(h, dk, dv, target))
 
 
 def launch_options(meta: dict) -> dict:
@@ -257,10 +248,9 @@ def _short(dtype: torch.dtype) -> str:
 
 def matrix_launch(target: platform.Target, op: str, layout_name: str, in_dtype, kv_cache_dtype: str, cache_dtype,
                   h: int, dk: int, dv: int, bs: int, slot_dtype=torch.int64, slot_stride: int = 1,
-                  aligned: bool = True, big_cache: bool = False, tokens: int | None = None):
+                  aligned: bool = True, big_cache: bool = False):
     """What ops/cache.py passes to the kernel for one call on `target`: (case name, the 7 tensor
-    arguments as `matrix.Ptr`, the int arguments, the constexprs with num_warps). `tokens`: the
-    call's token count (None: a large batch; it only selects the tile, see `constexprs`).
+    arguments as `matrix.Ptr`, the int arguments, the constexprs with num_warps).
 
     op "flash" (layout "nhd" or "head_major") or "diffkv"; 4 blocks of `bs` slots. aligned=False:
     key and value are packed[:, 1:1+H*Dk] and packed[:, 1+H*Dk:] of one [T, H*(Dk+Dv)+1] buffer
@@ -287,7 +277,7 @@ def matrix_launch(target: platform.Target, op: str, layout_name: str, in_dtype, 
     row = h * (dk + dv) + 1
     k_strides = (h * dk, dk, 1) if aligned else (row, dk, 1)
     v_strides = (h * dv, dv, 1) if aligned else (row, dv, 1)
-    meta = constexprs(h, dk, dv, kgeo, vgeo, bs, codec, target, tokens)
+    meta = constexprs(h, dk, dv, kgeo, vgeo, bs, codec, target)
     tensors = (Ptr(in_view, aligned), Ptr(in_view, aligned), Ptr(cache_view, small=not big_cache),
                Ptr(cache_view, small=not big_cache), Ptr(slot_dtype), Ptr(torch.float32), Ptr(torch.float32))
     assert len(tensors) == len(TENSOR_ARGS)
@@ -295,7 +285,7 @@ def matrix_launch(target: platform.Target, op: str, layout_name: str, in_dtype, 
     name = f"{op}_{layout_name}.{_short(in_dtype)}-{kv_cache_dtype}:{_short(cache_dtype)}.h{h}d{dk}" \
         + (f"x{dv}" if dv != dk else "") + f".bs{bs}" + ("" if slot_dtype == torch.int64 else ".slot32") \
         + ("" if slot_stride == 1 else f".slotstride{slot_stride}") + ("" if aligned else ".unaligned") \
-        + (".bigcache" if big_cache else "") + (f".T{tokens}" if tokens is not None else "")
+        + (".bigcache" if big_cache else "")
     return name, tensors, ints, meta
 
 
@@ -328,7 +318,6 @@ def matrix_cases(target: platform.Target) -> list:
     for i, s, c in _MATRIX_GEOMETRY_CODECS[::3]:    # bf16 copy and bf16 -> platform fp8
         cases += [_matrix_case(target, "flash", "nhd", i, s, c, 8, 128, 128, 16, slot_dtype=torch.int32),
                   _matrix_case(target, "flash", "nhd", i, s, c, 8, 128, 128, 16, slot_stride=2),
-                  _matrix_case(target, "flash", "nhd", i, s, c, 8, 128, 128, 16, tokens=1),
                   _matrix_case(target, "flash", "nhd", i, s, c, 8, 128, 128, 16, aligned=False),
                   _matrix_case(target, "diffkv", "nhd", i, s, c, 13, 80, 48, 16, aligned=False),
                   _matrix_case(target, "flash", "head_major", i, s, c, 8, 128, 128, 16, big_cache=True)]

@@ -86,7 +86,7 @@ class _Plan:
         self.tokens = slot_mapping.shape[0]
         self.in_view, self.cache_view = kernels.kernel_views(key.dtype, kc.dtype, codec)
         heads, dk, dv = key.shape[1], key.shape[2], value.shape[2]
-        constexprs = kernels.constexprs(heads, dk, dv, kgeo, vgeo, block_size, codec, target, self.tokens)
+        constexprs = kernels.constexprs(heads, dk, dv, kgeo, vgeo, block_size, codec, target)
         self.constexpr_values = kernels.LAUNCHER.constexpr_values(constexprs)
         self.meta = kernels.launch_options(constexprs)
         self.grid = (self.tokens, -(-heads // self.meta["BLOCK_H"]))
