@@ -135,6 +135,26 @@ def time_graph(w: Workload, n_calls: int, samples: int = 20, replays: int = 5) -
     return statistics.median(per_call)
 
 
+def graph_us_per_call(call: Callable[[int], object], n_calls: int = 100, replays: int = 10) -> float:
+    """µs per call of `call(i)` for i < n_calls captured in one CUDA graph (replayed `replays` times,
+    timed with events), after one eager warm-up call."""
+    call(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_calls):
+            call(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * n_calls)
+
+
 def time_wall(w: Workload, device: torch.device, samples: int = 5) -> float:
     """Median wall-clock µs of single calls (CPU smoke runs)."""
     w.run(0)

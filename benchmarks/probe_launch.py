@@ -16,7 +16,7 @@ import triton.testing
 import torch_dsv4_ops
 from torch_dsv4_ops.kernels import cache as kernels
 
-from .harness import host_us_per_call
+from .harness import graph_us_per_call, host_us_per_call
 
 
 @triton.jit
@@ -53,22 +53,10 @@ def _tile_sweep(dev) -> None:
                     def call(i):
                         k = keys[i % len(keys)]
                         kernels.flash_cache_write_kernel[grid](k, k, kc, kc, slots[i % nsets], scale, scale, *ints, **m)
-                    call(0)
-                    torch.cuda.synchronize()
                     if tokens < 1024:
-                        g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g):
-                            for i in range(100):
-                                call(i)
-                        g.replay()
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        for _ in range(10):
-                            g.replay()
-                        end.record()
-                        end.synchronize()
-                        us = start.elapsed_time(end) * 1e3 / 1000
+                        us = graph_us_per_call(call)
                     else:
+                        call(0)
                         us = 1e3 * triton.testing.do_bench(lambda: call(1), return_mode="median")
                     print(f"{kv:<4} T={tokens:<6} {'hot ' if hot else 'cold'} BLOCK_H={block_h} warps={warps:<2} "
                           f"{us:8.2f} us/call")

@@ -10,7 +10,6 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from . import layout
 
 # atol = rtol for toleranced comparisons (SPEC §5, attention)
 TOLERANCES = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-3}
@@ -214,7 +213,3 @@ def nonzero_share(t: torch.Tensor) -> float:
     """Fraction of non-zero bytes: guards against fp8 caches that silently hold only zeros."""
     b = as_bytes(t.cpu())
     return float((b != 0).float().mean()) if b.numel() else 0.0
-
-
-def fp8_format_of(t: torch.Tensor) -> layout.Fp8Format | None:
-    return layout.FP8_BY_DTYPE.get(t.dtype)
