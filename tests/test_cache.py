@@ -325,6 +325,20 @@ def test_bad_input_head_major_x():
         d.reshape_and_cache_flash(*args)
 
 
+def test_bad_input_zero_block_size():
+    args = _good_args()
+    args[2], args[3] = torch.zeros(2, 0, 2, 16), torch.zeros(2, 0, 2, 16)
+    with pytest.raises(ValueError, match="block size 0"):
+        d.reshape_and_cache_flash(*args)
+
+
+def test_zero_heads_is_a_no_op(device):
+    key = torch.zeros(3, 0, 16, device=device)
+    cache = torch.zeros(2, 4, 0, 16, device=device)
+    d.reshape_and_cache_flash(key, key, cache, cache.clone(), torch.tensor([0, 1, 2], device=device), "auto",
+                              torch.ones(1, device=device), torch.ones(1, device=device))
+
+
 def test_bad_input_diffkv_shape():
     key, value = torch.zeros(3, 2, 4), torch.zeros(3, 2, 5)
     with pytest.raises(ValueError, match="kv_cache"):

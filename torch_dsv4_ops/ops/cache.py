@@ -32,6 +32,11 @@ def _check_tokens(key, value, slot_mapping, k_scale, v_scale, device) -> None:
     check_scale("v_scale", v_scale, device)
 
 
+def _check_block_size(name: str, block_size: int) -> None:
+    if block_size < 1:
+        raise ValueError(f"{name} has block size {block_size}; it must be at least 1")
+
+
 def check_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
                 e4m3=layout.E4M3FN):
     """Validate reshape_and_cache_flash's arguments; return (fp8 format or None, block size, slots)."""
@@ -55,6 +60,7 @@ def check_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype
         check_shape("key_cache", key_cache, (nb, heads, dim // x, bs, x), "[num_blocks, num_heads, head_size/x, "
                     "block_size, x]")
         check_shape("value_cache", value_cache, (nb, heads, dim, bs), "[num_blocks, num_heads, head_size, block_size]")
+    _check_block_size("key_cache", bs)
     fmt = layout.resolve_kv_cache_format(kv_cache_dtype, key_cache.dtype, e4m3)
     check_int32_extent("key_cache", key_cache)
     check_int32_extent("value_cache", value_cache)
@@ -68,6 +74,7 @@ def check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_sca
     nb, bs = kv_cache.shape[0], kv_cache.shape[1]
     check_shape("kv_cache", kv_cache, (nb, bs, key.shape[1], key.shape[2] + value.shape[2]),
                 "[num_blocks, block_size, num_heads, head_size_k + head_size_v]")
+    _check_block_size("kv_cache", bs)
     fmt = layout.resolve_kv_cache_format(kv_cache_dtype, kv_cache.dtype, e4m3)
     check_int32_extent("kv_cache", kv_cache)
     return fmt, bs, nb * bs
@@ -81,9 +88,11 @@ class _Plan:
 
     def __init__(self, *, key, value, kc, vc, slot_mapping, fmt, block_size, num_slots, kgeo, vgeo, vc_start):
         self.device = kc.device
+        self.tokens = slot_mapping.shape[0] if key.shape[1] > 0 else 0
+        if self.tokens == 0:      # no tokens or no heads: nothing is launched (R5)
+            return
         target = platform.target_for(self.device)
         codec = kernels.make_codec(key.dtype, kc.dtype, fmt, target)
-        self.tokens = slot_mapping.shape[0]
         self.in_view, self.cache_view = kernels.kernel_views(key.dtype, kc.dtype, codec)
         heads, dk, dv = key.shape[1], key.shape[2], value.shape[2]
         constexprs = kernels.constexprs(heads, dk, dv, kgeo, vgeo, block_size, codec, target)
