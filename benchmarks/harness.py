@@ -177,23 +177,33 @@ def time_rotating(w: Workload) -> float:
 def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = 2000, rounds: int = 5,
                      warmup: int = 200) -> float:
     """Median over `rounds` of host µs per call: `calls` calls, one synchronize at the end of each round."""
-    for _ in range(warmup):
-        fn()
+    return statistics.median(host_us_rounds({"fn": fn}, device, calls, rounds, warmup)["fn"])
+
+
+def host_us_rounds(fns: dict[str, Callable[[], object]], device: torch.device, calls: int = 2000,
+                   rounds: int = 5, warmup: int = 200) -> dict[str, list[float]]:
+    """Host µs per call of each function, per round. The functions take turns within every round,
+    so a slow phase of the host (a shared VM) falls on all of them alike and per-round ratios
+    stay comparable."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     sync(device)
-    results = []
+    results = {name: [] for name in fns}
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            sync(device)
-            results.append((time.perf_counter() - t0) / calls)
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                sync(device)
+                results[name].append(1e6 * (time.perf_counter() - t0) / calls)
     finally:
         if gc_was_enabled:
             gc.enable()
-    return 1e6 * statistics.median(results)
+    return results
 
 
 def copy_ceiling(device: torch.device) -> dict:
