@@ -72,5 +72,5 @@ class FastLauncher:
         return tuple(meta[name] for name in self.constexpr_names)
 
     def cache_size(self) -> int:
-        """Specialisations launched directly so far (a test counts these to catch recompiles)."""
+        """Specialisations held for direct launches (the launch probe prints it)."""
         return len(self._compiled)
