@@ -1,5 +1,13 @@
 """Test-session setup. Without a GPU, Triton kernels run under Triton's interpreter, which must be
-switched on before triton is imported; on a GPU machine they run compiled."""
+switched on before triton is imported; on a GPU machine they run compiled.
+
+The interpreter's numeric traps (CONVENTIONS.md) are avoided by the kernels rather than patched:
+values are widened to fp32 right after loading (no bf16 arithmetic); every fp8 conversion and every
+fp32 -> bf16 rounding goes through kernels/fp8.py, whose software codec the interpreter always uses
+(`platform.native_fp8` is False there; tests/test_fp8_codec.py holds it bit-exact to torch over all
+codes and every finite bf16 value); masks are built from tensors only; no autotune, no
+make_block_ptr; test grids stay at a few dozen programs. numpy comes with the package's install.
+"""
 import os
 import sys
 
