@@ -15,6 +15,7 @@ import unittest
 from pathlib import Path
 
 import expecttest
+import pytest
 import torch
 import torch.utils.cpp_extension
 
@@ -41,9 +42,9 @@ def _defined_schemas() -> dict[str, str]:
 
 
 def _declared_params(header: str) -> dict[str, dict[str, str]]:
-    """Function name -> {parameter name: C++ type} of each declaration in the header."""
+    """Function name -> {parameter name: C++ type} of each function in the header."""
     decls = {}
-    for name, params in re.findall(r"^[^\s/#].* (\w+)\(([^;]*)\);$", header, re.M):
+    for name, params in re.findall(r"^inline [^\n]* (\w+)\((.*?)\) \{$", header, re.M | re.S):
         parsed = {}
         for line in params.splitlines():
             line = re.sub(r"/\*.*?\*/", "", line).strip().rstrip(",").strip()
@@ -99,7 +100,7 @@ dsv4::reshape_and_cache_flash_diffkv(Tensor key, Tensor value, Tensor(a!) kv_cac
     def test_type_mapping(self):
         self.assertExpectedInline(stubs.declaration(ALL_TYPES), """\
 // dsv4::all_types(Tensor a, Tensor(a!) b, Tensor(b) c, Tensor? d, Tensor[] e, Tensor(c!)[] f, Tensor?[] g, int h, SymInt i, float j, bool k, str l, Scalar m, ScalarType n, Layout o, MemoryFormat p, Device q, int[] r, int[2] s, SymInt[] t, float[] u, bool[3] v, int? w=None, str? x="mean", Generator? y=None, *, float z=1.5, Tensor(d!) out) -> (Tensor(d!), Tensor[], SymInt, float, str, Tensor?)
-std::tuple<at::Tensor&, std::vector<at::Tensor>, c10::SymInt, double, std::string, std::optional<at::Tensor>> all_types(
+inline std::tuple<at::Tensor, std::vector<at::Tensor>, c10::SymInt, double, std::string, std::optional<at::Tensor>> all_types(
     const at::Tensor& a,
     at::Tensor& b,
     const at::Tensor& c,
@@ -126,7 +127,12 @@ std::tuple<at::Tensor&, std::vector<at::Tensor>, c10::SymInt, double, std::strin
     std::optional<c10::string_view> x /* = "mean" */,
     std::optional<at::Generator> y /* = None */,
     /* *, */ double z /* = 1.5 */,
-    at::Tensor& out);
+    at::Tensor& out) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::all_types", "")
+      .typed<std::tuple<at::Tensor, std::vector<at::Tensor>, c10::SymInt, double, std::string, std::optional<at::Tensor>>(const at::Tensor&, at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, at::TensorList, at::TensorList, const c10::List<std::optional<at::Tensor>>&, int64_t, c10::SymInt, double, bool, c10::string_view, const at::Scalar&, at::ScalarType, at::Layout, at::MemoryFormat, at::Device, at::IntArrayRef, at::IntArrayRef, c10::SymIntArrayRef, at::ArrayRef<double>, std::array<bool, 3>, std::optional<int64_t>, std::optional<c10::string_view>, std::optional<at::Generator>, double, at::Tensor&)>();
+  return op.call(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, u, v, w, x, y, z, out);
+}
 """)
 
     @unittest.skipIf(shutil.which("g++") is None, "g++ not found: cannot compile csrc_stubs/")
@@ -149,3 +155,42 @@ std::tuple<at::Tensor&, std::vector<at::Tensor>, c10::SymInt, double, std::strin
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipIf(shutil.which("g++") is None, "g++ not found: cannot build a C++ caller")
+def test_header_functions_call_the_registered_ops(tmp_path):
+    """A C++ caller of csrc_stubs/dsv4_ops.h reaches the registered op through the dispatcher and
+    writes what the reference writes (so each typed<> signature matches its schema)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    from torch_dsv4_ops.reference import cache as reference
+
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        pytest.skip("ninja not found: cannot build a C++ caller")
+    source = f'#include "{stubs.STUB_DIR / stubs.HEADER}"\n' + """
+void stub_flash(at::Tensor key, at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor scale) {
+  dsv4::reshape_and_cache_flash(key, key, kc, vc, slots, "fp8", scale, scale);
+}
+void stub_diffkv(at::Tensor key, at::Tensor value, at::Tensor kv, at::Tensor slots, at::Tensor scale) {
+  dsv4::reshape_and_cache_flash_diffkv(key, value, kv, slots, "auto", scale, scale);
+}
+"""
+    module = cpp_extension.load_inline("dsv4_stub_callers", cpp_sources=[source],
+                                       functions=["stub_flash", "stub_diffkv"], build_directory=str(tmp_path),
+                                       extra_cflags=["-O0"])
+    key = (torch.randn(4, 2, 16) * 3).to(torch.bfloat16)
+    slots, scale = torch.tensor([3, -1, 9, 12]), torch.tensor([0.05])
+    kc, vc = torch.zeros(2, 8, 2, 16, dtype=torch.uint8), torch.zeros(2, 8, 2, 16, dtype=torch.uint8)
+    module.stub_flash(key, kc, vc, slots, scale)
+    want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    reference.reshape_and_cache_flash(key, key, want_k, want_v, slots, "fp8", scale, scale)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v) and int((kc != 0).sum()) > 32
+    value = torch.randn(4, 2, 8).to(torch.bfloat16)
+    kv = torch.zeros(2, 8, 2, 24, dtype=torch.bfloat16)
+    module.stub_diffkv(key, value, kv, slots, scale)
+    want = torch.zeros_like(kv)
+    reference.reshape_and_cache_flash_diffkv(key, value, want, slots, "auto", scale, scale)
+    assert torch.equal(kv, want)
