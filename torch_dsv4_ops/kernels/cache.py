@@ -87,32 +87,15 @@ def _to_cache(x, scale, IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: t
         else:
             if SCALED:
                 if DIV64:
-                    # scale holds y, an fp64 reciprocal within 2**-51 (relative) of 1/s
-                    # (_reciprocal64). fp32(x * y) == RN32(x / s) for all fp32 x, s: the fp64 product
-                    # is within 2**-50 of x/s, while x/s is never within 2**-49 of an fp32 rounding
-                    # midpoint m (x = s*m would need an odd 25-bit significand in x; otherwise
-                    # x - s*m is a nonzero multiple of 2**(ea+eb), which is >= 2**-49 * s*m).
-                    # No per-element division, so no serialised slow paths.
+                    # scale holds fp64(1/s) = RN64(1/s). fp32(x * 1/s) == RN32(x / s) for all fp32 x, s:
+                    # the fp64 product is within 2**-52 (relative) of x/s, while x/s is never within
+                    # 2**-49 of an fp32 rounding midpoint m (x = s*m would need an odd 25-bit
+                    # significand in x; otherwise x - s*m is a nonzero multiple of 2**(ea+eb), which
+                    # is >= 2**-49 * s*m). No per-element division, so no serialised slow paths.
                     xf = (xf.to(tl.float64) * scale).to(tl.float32)
                 else:
                     xf = tl.math.div_rn(xf, scale)
             y = fp8_encode(xf, OUT_FP8, SW_OUT)
-    return y
-
-
-@triton.jit
-def _reciprocal64(s):
-    """fp64 1/s within 2**-51 (relative) for a scalar fp32 s: an fp32 seed refined by two Newton
-    steps in fp64 (short, no slow path), or IEEE fp64 division where the seed could flush or
-    overflow (|s| outside [2**-126, 2**126), 0, inf, NaN)."""
-    a = tl.abs(s)
-    if (a >= 1.1754943508222875e-38) & (a < 8.507059173023462e37):
-        s64 = s.to(tl.float64)
-        y = (1.0 / s).to(tl.float64)          # seed, a few fp32 ulps: error <= 2**-21
-        y = y + y * (1.0 - s64 * y)           # error <= 2**-42
-        y = y + y * (1.0 - s64 * y)           # error <= 2**-84 + fp64 rounding (~2**-52)
-    else:
-        y = 1.0 / s.to(tl.float64)
     return y
 
 
@@ -160,9 +143,9 @@ def flash_cache_write_kernel(
     if SCALED:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-        if DIV64:   # per-program reciprocals (see _to_cache)
-            k_scale = _reciprocal64(k_scale)
-            v_scale = _reciprocal64(v_scale)
+        if DIV64:   # the one IEEE division per program (see _to_cache)
+            k_scale = 1.0 / k_scale.to(tl.float64)
+            v_scale = 1.0 / v_scale.to(tl.float64)
     valid = (slot >= 0) & (slot < num_slots)        # every negative slot and every slot past the cache: skip
     slot = tl.where(valid, slot, 0)
     blk = slot // BS
