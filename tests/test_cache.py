@@ -1,5 +1,5 @@
 """reshape_and_cache_flash and reshape_and_cache_flash_diffkv (SPEC §3.1, §4 a-c, §5)."""
-import itertools
+import contextlib
 import math
 
 import pytest
@@ -11,8 +11,6 @@ from torch_dsv4_ops.kernels import cache as kernels
 from torch_dsv4_ops.reference import cache as reference
 from torch_dsv4_ops.testing import (assert_bitwise_equal, changed_mask, check_compile, check_cuda_graph,
                                     nonzero_share, random_bytes_, run_opcheck, triton_cache_entries)
-
-from conftest import GPU
 
 FLASH = torch.ops.dsv4.reshape_and_cache_flash.default
 DIFFKV = torch.ops.dsv4.reshape_and_cache_flash_diffkv.default
@@ -42,7 +40,8 @@ def make_slots(g, n_tokens, num_slots, hostile=True, dtype=torch.int64):
 
 
 def head_major_x(dtype, dim):
-    return math.gcd(16 // max(1, torch.empty((), dtype=dtype).element_size()), dim)
+    """The conventional x, reduced to a divisor of `dim` (D = 46 with bf16 gives x = 2)."""
+    return math.gcd(layout.head_major_x(dtype), dim)
 
 
 class FlashCase:
@@ -64,7 +63,7 @@ class FlashCase:
         self.k_scale = scale_of(self.key.float(), fp8_cache and in_dtype not in layout.FP8_BY_DTYPE)
         self.v_scale = scale_of(self.value.float(), fp8_cache and in_dtype not in layout.FP8_BY_DTYPE) * 1.5
         self.slots = make_slots(g, tokens, num_blocks * bs, hostile, slot_dtype)
-        self.x = x or head_major_x(cache_dtype if cache_dtype != torch.uint8 else torch.uint8, dim)
+        self.x = x or head_major_x(cache_dtype, dim)
         self.shape = (num_blocks, bs, heads, dim)
         self.cache_dtype, self.interleaved, self.padded = cache_dtype, interleaved, padded
         elems = num_blocks * bs * heads * dim
@@ -112,7 +111,7 @@ def written_positions(case: FlashCase):
 def test_worked_example_slots_and_fp8_bytes(device, impl):
     if impl == "reference" and device.type != "cpu":
         pytest.skip("the reference is the CPU implementation")
-    ctx = d.cpu_implementation("reference") if impl == "reference" else _nullcontext()
+    ctx = d.cpu_implementation("reference") if impl == "reference" else contextlib.nullcontext()
     key = torch.zeros(4, 1, 2, device=device)
     key[0, 0] = torch.tensor([3.0, 300.0])
     key[3, 0] = torch.tensor([-3.0, 1.0])
@@ -140,14 +139,6 @@ def test_worked_example_diffkv(device):
     expected = torch.full((2, 4, 1, 5), -9.0)
     expected[1, 1, 0] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     assert torch.equal(kv.cpu(), expected)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # --- exactness sweeps ---------------------------------------------------------------------------
@@ -369,7 +360,7 @@ def _opcheck_cases(device):
 def test_opcheck_flash(device, impl, kind):
     if impl == "reference" and device.type != "cpu":
         pytest.skip("the reference is the CPU implementation")
-    ctx = d.cpu_implementation(impl) if device.type == "cpu" else _nullcontext()
+    ctx = d.cpu_implementation(impl) if device.type == "cpu" else contextlib.nullcontext()
     args = _opcheck_cases(device)[kind]
     with ctx:
         # caches stay as given (their layout is the op's contract); inputs get non-contiguous copies
@@ -380,7 +371,7 @@ def test_opcheck_flash(device, impl, kind):
 def test_opcheck_diffkv(device, impl):
     if impl == "reference" and device.type != "cpu":
         pytest.skip("the reference is the CPU implementation")
-    ctx = d.cpu_implementation(impl) if device.type == "cpu" else _nullcontext()
+    ctx = d.cpu_implementation(impl) if device.type == "cpu" else contextlib.nullcontext()
     key, value = torch.randn(5, 2, 8, device=device), torch.randn(5, 2, 4, device=device)
     kv = torch.zeros(3, 4, 2, 12, device=device)
     args = (key, value, kv, torch.tensor([0, 5, -1, 11, 3], device=device), "auto",
