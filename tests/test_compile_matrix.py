@@ -18,7 +18,7 @@ import torch
 import torch_dsv4_ops
 from torch_dsv4_ops import layout, platform
 from torch_dsv4_ops.compile_matrix import TARGETS_BY_NAME, error_summary
-from torch_dsv4_ops.kernels import cache as cache_kernels
+from torch_dsv4_ops.kernels import _launch, cache as cache_kernels
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "gfx90a", "gfx942", "gfx950")
@@ -221,21 +221,13 @@ def _call_op(device, op, lay, in_dtype, kv_cache_dtype, cache_dtype, h, dk, dv, 
     torch_dsv4_ops.reshape_and_cache_flash(key, value, kc, vc, slots, kv_cache_dtype, scale, scale)
 
 
-class _LaunchRecorder:
-    """Stands in for the kernel launcher: records (runtime args, meta) of each launch, runs nothing."""
-
-    def __init__(self, launcher):
-        self._launcher = launcher
-        self.calls = []
-
-    def __getattr__(self, name):
-        return getattr(self._launcher, name)
-
-    def __call__(self, *args, **kwargs):
-        values = list(args) + list(kwargs.values())
-        runtime = next(a for a in values if isinstance(a, tuple) and a and isinstance(a[0], torch.Tensor))
-        meta = next(a for a in values if isinstance(a, dict) and "num_warps" in a)
-        self.calls.append((runtime, dict(meta)))
+def _record_launches(monkeypatch) -> list:
+    """Make every kernel `Launch` record (runtime args as Triton's public path gets them, meta) and
+    run nothing; returns the list the records go to."""
+    calls = []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self, *tensors: calls.append(
+        (self.arguments(tensors), {k: v for k, v in self.meta.items() if k != "launch_pdl"})))
+    return calls
 
 
 @pytest.mark.parametrize("options", _LAUNCH_OPTIONS, ids=lambda o: ",".join(o) or "plain")
@@ -246,11 +238,10 @@ def test_matrix_launch_matches_the_launcher(monkeypatch, spec, options):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not platform.INTERPRET:
         pytest.skip("the CPU ops run the Triton launcher only under TRITON_INTERPRET=1")
-    recorder = _LaunchRecorder(cache_kernels.LAUNCHER)
-    monkeypatch.setattr(cache_kernels, "LAUNCHER", recorder)
+    calls = _record_launches(monkeypatch)
     _call_op(device, *spec, **options)
-    assert len(recorder.calls) == 1
-    runtime, meta = recorder.calls[0]
+    assert len(calls) == 1
+    runtime, meta = calls[0]
     name, tensors, ints, expected_meta = cache_kernels.matrix_launch(platform.target_for(device), *spec, **options)
     n = len(tensors)
     assert [t.dtype for t in runtime[:n]] == [p.dtype for p in tensors], name

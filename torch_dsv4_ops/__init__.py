@@ -2,13 +2,14 @@
 
 Importing the package registers every op. Each op has a Triton kernel (CUDA and ROCm), a
 pure-torch CPU reference and a fake, so it runs eagerly, under torch.compile(fullgraph=True)
-and in CUDA graphs. See SPEC.md for the behaviour of every op.
+and in CUDA graphs. docs/ops/ specifies the behaviour of every op.
 """
 from . import layout, platform
 from .library import OPS, cpu_implementation
 from .ops.cache import (
     reshape_and_cache_flash,
     reshape_and_cache_flash_diffkv,
+    reshape_and_cache_flash_kv,
     triton_reshape_and_cache_flash,
     triton_reshape_and_cache_flash_diffkv,
 )
@@ -17,6 +18,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "OPS", "cpu_implementation", "layout", "platform",
-    "reshape_and_cache_flash", "reshape_and_cache_flash_diffkv",
+    "reshape_and_cache_flash", "reshape_and_cache_flash_diffkv", "reshape_and_cache_flash_kv",
     "triton_reshape_and_cache_flash", "triton_reshape_and_cache_flash_diffkv",
 ]

@@ -1,19 +1,64 @@
 """Low-overhead launches of @triton.jit kernels.
 
 `kernel[grid](...)` re-binds and re-specialises every argument on each call, which costs several
-microseconds for kernels with thirty arguments. A `FastLauncher` launches each specialisation
-once through Triton's JIT (compiling it if needed), keeps the compiled kernel, and afterwards
-calls it directly. The caller supplies `plan_key`: anything that fixes the dtypes and every int
-argument (so Triton's int specialisations, == 1, % 16 and i32/i64, are fixed); the launcher adds
-the 16-byte alignment of each tensor argument and the device, which Triton also specialises on.
-Under the interpreter, on ROCm (whose pointer specialisation also depends on the storage size),
-or while Triton launch hooks (profilers) are set, it always takes Triton's own path.
+microseconds for kernels with thirty arguments. An op builds one `Launch` per argument signature
+(grid, int arguments and constexprs fixed); its first call goes through Triton's JIT (compiling if
+needed) and keeps the compiled kernel, and later calls hand the raw tensor addresses straight to
+Triton's compiled launcher.
+
+That direct path depends on the argument layout of Triton-internal functions, so it is taken only
+on Triton versions whose layout the GPU suite has verified (`VERIFIED_TRITON`); on any other version
+every launch takes Triton's public `kernel[grid](...)` path (correct, a few us slower) and one
+warning per process names the version. `TORCH_DSV4_DIRECT_LAUNCH=1` forces the direct path (to
+verify a new version with the GPU suite), `=0` forbids it. Under the interpreter, on ROCm (whose
+pointer specialisation also depends on the storage size) and while Triton launch hooks (profilers)
+are set, launches always take the public path.
 """
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
+import triton
 
 from .. import platform
+
+VERIFIED_TRITON = ("3.6",)
+"""major.minor versions whose compiled-launcher argument layout tests/test_launch.py has verified on a GPU."""
+
+ENV_DIRECT = "TORCH_DSV4_DIRECT_LAUNCH"
+ALL_ALIGNED = -1
+
+
+def triton_minor(version: str) -> str:
+    """"3.6.0" -> "3.6"."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def direct_launch_policy(version: str = triton.__version__, env: str | None = None) -> tuple[bool, str | None]:
+    """(direct launches allowed, the warning to give or None) for a Triton `version` and the
+    TORCH_DSV4_DIRECT_LAUNCH value (read from the environment when None)."""
+    env = os.environ.get(ENV_DIRECT, "") if env is None else env
+    if env in ("0", "1"):
+        return env == "1", None
+    if env:
+        raise ValueError(f"{ENV_DIRECT} must be 0 or 1, got {env!r}")
+    if triton_minor(version) in VERIFIED_TRITON:
+        return True, None
+    return False, (f"torch_dsv4_ops: triton {version} is not among the versions whose launcher layout has been "
+                   f"verified ({', '.join(VERIFIED_TRITON)}); kernels launch through triton's public path "
+                   f"(a few us more per call). Set {ENV_DIRECT}=1 to try the direct path.")
+
+
+_warned = False
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _hook_set(hook) -> bool:
@@ -22,55 +67,124 @@ def _hook_set(hook) -> bool:
 
 
 class FastLauncher:
-    """Launch one @triton.jit kernel whose constexpr parameters all follow its runtime parameters."""
+    """Launches of one @triton.jit kernel whose constexpr parameters all follow its runtime parameters."""
 
     def __init__(self, fn):
         self.fn = fn
-        self._compiled: dict = {}
+        self._compiled: dict = {}     # (specialisation id, aligned mask, device index) -> compiled kernel
         self._ids: dict = {}
-        # HIP builds also specialise pointers on their storage size (buffer ops): keep Triton's path
-        self.direct = not platform.INTERPRET and not platform.IS_HIP
         # the interpreter's functions have no .params; they always take Triton's own path
-        self.constexpr_names = tuple(p.name for p in fn.params if p.is_constexpr) if self.direct else ()
-        if self.direct:
+        self.available = not platform.INTERPRET and not platform.IS_HIP
+        self.constexpr_names = tuple(p.name for p in fn.params if p.is_constexpr) if self.available else ()
+        self.runtime = None
+        if self.available:
             from triton import knobs
-            self._runtime = knobs.runtime
+            self.runtime = knobs.runtime
+        self._policy = None
 
-    def __call__(self, grid: tuple, args: tuple, num_tensors: int, constexpr_values: tuple, meta: dict,
-                 plan_key, device: torch.device) -> None:
-        """Launch on `device` (its index must be the current device). `args` are the runtime
-        arguments with the `num_tensors` tensors first; `constexpr_values` are meta's constexprs in
-        parameter order; `meta` (constexprs by name, plus num_warps) is used for Triton's own path."""
-        if not self.direct:
-            self.fn[grid](*args, **meta)
-            return
-        # Tensors go to the compiled launcher as raw device addresses: for a tensor it would call
-        # data_ptr() and cuPointerGetAttribute (a driver call) on each, per launch.
-        ptrs = [args[i].data_ptr() for i in range(num_tensors)]
-        aligned = 0
-        for i, p in enumerate(ptrs):
-            aligned |= (p & 15 == 0) << i
-        key = (plan_key, aligned, device.index)
-        compiled = self._compiled.get(key)
-        if compiled is None or _hook_set(self._runtime.launch_enter_hook) \
-                or _hook_set(self._runtime.launch_exit_hook):
-            compiled = self.fn[grid](*args, **meta)
-            self._compiled[key] = compiled
-            return
-        stream = torch._C._cuda_getCurrentRawStream(device.index)
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                     compiled.function, compiled.packed_metadata, None, None, None, *ptrs, *args[num_tensors:],
-                     *constexpr_values)
+    @property
+    def direct(self) -> bool:
+        """Whether launches after the first of a specialisation skip Triton's JIT."""
+        if not self.available:
+            return False
+        if self._policy is None:
+            self._policy = direct_launch_policy()
+        return self._policy[0]
 
-    def intern(self, specialisation: tuple) -> int:
-        """A small int naming `specialisation` (tensor dtypes, int arguments, constexprs): the
-        `plan_key` to pass, so the compiled-kernel cache grows with specialisations, not calls."""
-        return self._ids.setdefault(specialisation, len(self._ids))
-
-    def constexpr_values(self, meta: dict) -> tuple:
-        """meta's constexprs in the kernel's parameter order (what a direct launch passes)."""
-        return tuple(meta[name] for name in self.constexpr_names)
+    def bind(self, grid: tuple, dtypes: tuple, ints: tuple, meta: dict, device: torch.device) -> "Launch":
+        """A launch of `grid` with these int arguments and `meta` (constexprs by name, num_warps and
+        launch options). `dtypes`: per tensor argument, the dtype Triton sees (a tensor of another
+        dtype is viewed as it)."""
+        constexpr_values = tuple(meta[n] for n in self.constexpr_names)
+        spec = self._ids.setdefault((dtypes, ints, constexpr_values), len(self._ids))
+        return Launch(self, grid, dtypes, ints, constexpr_values, meta, device, spec)
 
     def cache_size(self) -> int:
-        """Specialisations held for direct launches (the launch probe prints it)."""
+        """Compiled specialisations held for direct launches (the launch probe prints it)."""
         return len(self._compiled)
+
+
+def _direct_entry(compiled) -> tuple:
+    """(function, the arguments between the stream and the kernel arguments) for a compiled kernel.
+
+    Triton 3.6: `compiled.run` is a CudaLauncher whose `__call__` allocates scratch space (none for
+    our kernels) and calls its C `launch(gx, gy, gz, stream, function, cooperative, pdl, scratch,
+    profile_scratch, metadata, launch_metadata, enter_hook, exit_hook, *args)`; calling `launch`
+    itself saves a Python frame. Otherwise the documented-by-use `run(gx, gy, gz, stream, function,
+    metadata, launch_metadata, enter_hook, exit_hook, *args)`.
+    """
+    runner = compiled.run
+    c_launch = getattr(runner, "launch", None)
+    if (c_launch is not None and getattr(runner, "global_scratch_size", 1) == 0
+            and getattr(runner, "profile_scratch_size", 1) == 0 and hasattr(runner, "launch_pdl")):
+        return c_launch, (compiled.function, runner.launch_cooperative_grid, runner.launch_pdl, None, None,
+                          compiled.packed_metadata, None, None, None)
+    return runner, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+class Launch:
+    """One specialisation of one kernel on one device: call it with the tensor arguments."""
+
+    __slots__ = ("launcher", "grid", "dtypes", "ints", "tail", "meta", "device", "device_index", "spec",
+                 "_entries")
+
+    def __init__(self, launcher, grid, dtypes, ints, constexpr_values, meta, device, spec):
+        self.launcher, self.dtypes, self.ints, self.meta, self.device, self.spec = \
+            launcher, dtypes, ints, meta, device, spec
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.tail = ints + constexpr_values
+        self.device_index = device.index if device.type == "cuda" else None
+        self._entries: dict = {}      # aligned mask -> (function, middle arguments)
+
+    def arguments(self, tensors) -> tuple:
+        """The runtime arguments of Triton's public path: the tensors viewed as `dtypes`, then the ints."""
+        return tuple(t if t.dtype == d else t.view(d) for t, d in zip(tensors, self.dtypes)) + self.ints
+
+    def public(self, tensors):
+        """Launch through Triton's JIT (`kernel[grid](...)`); returns Triton's compiled kernel."""
+        return self.launcher.fn[self.grid](*self.arguments(tensors), **self.meta)
+
+    def __call__(self, *tensors) -> None:
+        launcher = self.launcher
+        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
+            with torch.cuda.device(self.device_index):
+                self(*tensors)
+            return
+        if not launcher.available:
+            self.public(tensors)
+            return
+        rt = launcher.runtime
+        if _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook):
+            self.public(tensors)
+            return
+        # Tensors go to the compiled launcher as raw addresses: for a tensor it would call data_ptr()
+        # and cuPointerGetAttribute (a driver call) on each, per launch.
+        ptrs = [t.data_ptr() for t in tensors]
+        ored = 0
+        for p in ptrs:
+            ored |= p
+        aligned = ALL_ALIGNED if ored & 15 == 0 else sum(((p & 15) == 0) << i for i, p in enumerate(ptrs))
+        entry = self._entries.get(aligned)
+        if entry is None:
+            entry = self._first_launch(tensors, aligned)
+            if entry is None:
+                return
+        function, middle = entry
+        function(*self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), *middle, *ptrs, *self.tail)
+
+    def _first_launch(self, tensors, aligned):
+        """Launch through Triton's JIT if no compiled kernel is known for this alignment (returns None),
+        else the direct-launch entry. Warns once per process when the Triton version is unverified."""
+        launcher = self.launcher
+        if not launcher.direct:
+            if launcher._policy[1]:
+                _warn_once(launcher._policy[1])
+            self.public(tensors)
+            return None
+        key = (self.spec, aligned, self.device_index)
+        compiled = launcher._compiled.get(key)
+        if compiled is None:
+            launcher._compiled[key] = self.public(tensors)
+            return None
+        self._entries[aligned] = entry = _direct_entry(compiled)
+        return entry

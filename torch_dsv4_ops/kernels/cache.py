@@ -189,7 +189,7 @@ TILE_ELEMENTS = 2048   # elements of K (and of V) one program writes, at most
 
 def tile_config(h: int, dk: int, dv: int, target: platform.Target) -> dict:
     """Tile sizes and warps for H heads of Dk/Dv dims."""
-    block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    block_dk, block_dv = max(1, triton.next_power_of_2(dk)), max(1, triton.next_power_of_2(dv))   # D = 0: masked
     block_h = min(triton.next_power_of_2(h), max(1, TILE_ELEMENTS // max(block_dk, block_dv)))
     return dict(BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
                 num_warps=platform.num_warps_for(target, block_h * max(block_dk, block_dv)))

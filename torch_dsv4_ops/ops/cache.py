@@ -5,6 +5,8 @@ argument names and order); both names are exported.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import layout, platform
@@ -80,64 +82,48 @@ def check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_sca
     return fmt, bs, nb * bs
 
 
-class _Plan:
-    """What a launch needs that depends only on the arguments' metadata (shapes, strides, dtypes,
-    devices, kv_cache_dtype), never on their values: built once per signature, then reused."""
-
-    __slots__ = ("tokens", "grid", "in_view", "cache_view", "ints", "constexpr_values", "meta", "device", "launch_id")
-
-    def __init__(self, *, key, value, kc, vc, slot_mapping, fmt, block_size, num_slots, kgeo, vgeo, vc_start):
-        self.device = kc.device
-        self.tokens = slot_mapping.shape[0] if key.shape[1] > 0 else 0
-        if self.tokens == 0:      # no tokens or no heads: nothing is launched (R5)
-            return
-        target = platform.target_for(self.device)
-        codec = kernels.make_codec(key.dtype, kc.dtype, fmt, target)
-        self.in_view, self.cache_view = kernels.kernel_views(key.dtype, kc.dtype, codec)
-        heads, dk, dv = key.shape[1], key.shape[2], value.shape[2]
-        constexprs = kernels.constexprs(heads, dk, dv, kgeo, vgeo, block_size, codec, target)
-        self.constexpr_values = kernels.LAUNCHER.constexpr_values(constexprs)
-        self.meta = kernels.launch_options(constexprs)
-        self.grid = (self.tokens, -(-heads // self.meta["BLOCK_H"]))
-        self.ints = kernels.runtime_args(num_slots, slot_mapping.stride(0), vc_start, key.stride(), value.stride(),
-                                         kgeo, vgeo)
-        tensor_dtypes = (self.in_view or key.dtype, self.cache_view or kc.dtype, slot_mapping.dtype)
-        self.launch_id = kernels.LAUNCHER.intern((tensor_dtypes, self.ints, self.constexpr_values))
-
-    def launch(self, key, value, kc, vc, slot_mapping, k_scale, v_scale) -> None:
-        if self.tokens == 0:
-            return
-        if self.in_view is not None:
-            key, value = key.view(self.in_view), value.view(self.in_view)
-        if self.cache_view is not None:
-            kc, vc = kc.view(self.cache_view), vc.view(self.cache_view)
-        args = (key, value, kc, vc, slot_mapping, k_scale, v_scale) + self.ints
-        if self.device.type != "cuda" or self.device.index == torch.cuda.current_device():
-            kernels.LAUNCHER(self.grid, args, 7, self.constexpr_values, self.meta, self.launch_id, self.device)
-        else:
-            with torch.cuda.device(self.device):
-                kernels.LAUNCHER(self.grid, args, 7, self.constexpr_values, self.meta, self.launch_id, self.device)
+def _plan(*, key, value, kc, vc, slot_mapping, fmt, block_size, num_slots, kgeo, vgeo, vc_start):
+    """The kernel launch for these arguments' metadata (shapes, strides, dtypes, devices,
+    kv_cache_dtype), never their values; None when there is nothing to write (R5)."""
+    tokens, heads, dk, dv = slot_mapping.shape[0], key.shape[1], key.shape[2], value.shape[2]
+    if tokens == 0 or heads == 0 or dk + dv == 0:
+        return None
+    device = kc.device
+    target = platform.target_for(device)
+    codec = kernels.make_codec(key.dtype, kc.dtype, fmt, target)
+    in_view, cache_view = kernels.kernel_views(key.dtype, kc.dtype, codec)
+    meta = kernels.launch_options(kernels.constexprs(heads, dk, dv, kgeo, vgeo, block_size, codec, target))
+    ints = kernels.runtime_args(num_slots, slot_mapping.stride(0), vc_start, key.stride(), value.stride(), kgeo, vgeo)
+    dtypes = (in_view or key.dtype, in_view or key.dtype, cache_view or kc.dtype, cache_view or kc.dtype,
+              slot_mapping.dtype, torch.float32, torch.float32)
+    return kernels.LAUNCHER.bind((tokens, -(-heads // meta["BLOCK_H"])), dtypes, ints, meta, device)
 
 
-_PLANS: dict = {}
+# Plans by argument signature. A signature holds every shape, stride, dtype and device the
+# validator looks at, so validation and planning run once per signature and a call with a known
+# signature only looks its plan up and launches (the eager host-time path).
+_FLASH_PLANS: dict = {}
+_DIFFKV_PLANS: dict = {}
 _MAX_PLANS = 4096
+_MISSING = object()
 
 
-def _remember(sig, plan: _Plan) -> _Plan:
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[sig] = plan
+def _remember(plans: dict, sig, plan):
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[sig] = plan
     return plan
 
 
 def _flash_kernel(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
-    sig = ("flash", key.shape, key.stride(), key.dtype, key.device, value.shape, value.stride(), value.dtype,
-           value.device, key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device, value_cache.shape,
-           value_cache.stride(), value_cache.dtype, value_cache.device, slot_mapping.shape, slot_mapping.stride(),
-           slot_mapping.dtype, slot_mapping.device, k_scale.shape, k_scale.dtype, k_scale.device, v_scale.shape,
-           v_scale.dtype, v_scale.device, kv_cache_dtype)
-    plan = _PLANS.get(sig)
-    if plan is None:
+    sig = (key.shape, key.stride(), value.shape, value.stride(), key_cache.shape, key_cache.stride(),
+           value_cache.shape, value_cache.stride(), slot_mapping.shape, slot_mapping.stride(), k_scale.shape,
+           v_scale.shape, key.dtype, value.dtype, key_cache.dtype, value_cache.dtype, slot_mapping.dtype,
+           k_scale.dtype, v_scale.dtype, key.get_device(), value.get_device(), key_cache.get_device(),
+           value_cache.get_device(), slot_mapping.get_device(), k_scale.get_device(), v_scale.get_device(),
+           kv_cache_dtype)
+    launch = _FLASH_PLANS.get(sig, _MISSING)
+    if launch is _MISSING:
         e4m3 = platform.platform_e4m3(platform.target_for(key_cache.device))
         fmt, bs, num_slots = check_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                                          k_scale, v_scale, e4m3)
@@ -145,9 +131,11 @@ def _flash_kernel(key, value, key_cache, value_cache, slot_mapping, kv_cache_dty
             kgeo, vgeo = kernels.nhd_geometry(key_cache), kernels.nhd_geometry(value_cache)
         else:
             kgeo, vgeo = kernels.head_major_k_geometry(key_cache), kernels.head_major_v_geometry(value_cache)
-        plan = _remember(sig, _Plan(key=key, value=value, kc=key_cache, vc=value_cache, slot_mapping=slot_mapping,
-                                    fmt=fmt, block_size=bs, num_slots=num_slots, kgeo=kgeo, vgeo=vgeo, vc_start=0))
-    plan.launch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        launch = _remember(_FLASH_PLANS, sig, _plan(
+            key=key, value=value, kc=key_cache, vc=value_cache, slot_mapping=slot_mapping, fmt=fmt, block_size=bs,
+            num_slots=num_slots, kgeo=kgeo, vgeo=vgeo, vc_start=0))
+    if launch is not None:
+        launch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def _flash_reference(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
@@ -161,20 +149,22 @@ def _flash_fake(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype
 
 
 def _diffkv_kernel(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
-    sig = ("diffkv", key.shape, key.stride(), key.dtype, key.device, value.shape, value.stride(), value.dtype,
-           value.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device, slot_mapping.shape,
-           slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device, k_scale.shape, k_scale.dtype,
-           k_scale.device, v_scale.shape, v_scale.dtype, v_scale.device, kv_cache_dtype)
-    plan = _PLANS.get(sig)
-    if plan is None:
+    sig = (key.shape, key.stride(), value.shape, value.stride(), kv_cache.shape, kv_cache.stride(),
+           slot_mapping.shape, slot_mapping.stride(), k_scale.shape, v_scale.shape, key.dtype, value.dtype,
+           kv_cache.dtype, slot_mapping.dtype, k_scale.dtype, v_scale.dtype, key.get_device(), value.get_device(),
+           kv_cache.get_device(), slot_mapping.get_device(), k_scale.get_device(), v_scale.get_device(),
+           kv_cache_dtype)
+    launch = _DIFFKV_PLANS.get(sig, _MISSING)
+    if launch is _MISSING:
         e4m3 = platform.platform_e4m3(platform.target_for(kv_cache.device))
         fmt, bs, num_slots = check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
                                                 v_scale, e4m3)
         geo = kernels.nhd_geometry(kv_cache)
-        plan = _remember(sig, _Plan(key=key, value=value, kc=kv_cache, vc=kv_cache, slot_mapping=slot_mapping,
-                                    fmt=fmt, block_size=bs, num_slots=num_slots, kgeo=geo, vgeo=geo,
-                                    vc_start=kernels.diffkv_v_start(kv_cache, key.shape[2])))
-    plan.launch(key, value, kv_cache, kv_cache, slot_mapping, k_scale, v_scale)
+        launch = _remember(_DIFFKV_PLANS, sig, _plan(
+            key=key, value=value, kc=kv_cache, vc=kv_cache, slot_mapping=slot_mapping, fmt=fmt, block_size=bs,
+            num_slots=num_slots, kgeo=geo, vgeo=geo, vc_start=kernels.diffkv_v_start(kv_cache, key.shape[2])))
+    if launch is not None:
+        launch(key, value, kv_cache, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def _diffkv_reference(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
@@ -187,13 +177,13 @@ def _diffkv_fake(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_
 
 
 def _flash_examples():
-    """Realistic inputs: 256 tokens, 8 KV heads of 128, block size 16, random slots with padding."""
+    """Realistic inputs: 64 tokens, 8 KV heads of 128, block size 16, random slots with padding."""
     g = torch.Generator().manual_seed(0)
-    tokens, heads, dim, bs, nb = 256, 8, 128, 16, 64
+    tokens, heads, dim, bs, nb = 64, 8, 128, 16, 32
     key = torch.randn(tokens, heads, dim, generator=g).to(torch.bfloat16)
     value = torch.randn(tokens, heads, dim, generator=g).to(torch.bfloat16)
     slots = torch.randperm(nb * bs, generator=g)[:tokens]
-    slots[::17] = -1
+    slots[::13] = -1
     scale = (key.float().abs().amax() / 64).reshape(1)
     nhd = (nb, bs, heads, dim)
     x = layout.head_major_x(torch.bfloat16)
@@ -209,12 +199,62 @@ def _flash_examples():
 
 def _diffkv_examples():
     g = torch.Generator().manual_seed(1)
-    tokens, heads, dk, dv, bs, nb = 256, 8, 192, 128, 16, 64
+    tokens, heads, dk, dv, bs, nb = 64, 8, 192, 128, 16, 32
     key = torch.randn(tokens, heads, dk, generator=g).to(torch.bfloat16)
     value = torch.randn(tokens, heads, dv, generator=g).to(torch.bfloat16)
     slots = torch.randperm(nb * bs, generator=g)[:tokens]
     return {"bf16 auto": (key, value, torch.zeros(nb, bs, heads, dk + dv, dtype=torch.bfloat16), slots, "auto",
                           torch.ones(1), torch.ones(1))}
+
+
+def check_flash_kv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim,
+                   e4m3=layout.E4M3FN):
+    """Validate reshape_and_cache_flash_kv's arguments; return (K cache view, V cache view, the
+    results of check_flash)."""
+    check_tensor("kv_cache", kv_cache, ndim=5, device=kv_cache.device)
+    if kv_dim not in (0, 1):
+        raise ValueError(f"kv_dim must be 0 or 1, got {kv_dim}")
+    if kv_cache.shape[kv_dim] != 2:
+        raise ValueError(f"kv_cache.shape[{kv_dim}] (kv_dim) must be 2 (K, V), got shape {tuple(kv_cache.shape)}")
+    kc, vc = kv_cache.select(kv_dim, 0), kv_cache.select(kv_dim, 1)
+    try:
+        return kc, vc, check_flash(key, value, kc, vc, slot_mapping, kv_cache_dtype, k_scale, v_scale, e4m3)
+    except ValueError as e:
+        raise ValueError(str(e).replace("key_cache", f"kv_cache.select({kv_dim}, 0)")
+                         .replace("value_cache", f"kv_cache.select({kv_dim}, 1)")) from None
+
+
+def _kv_kernel(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim):
+    if kv_dim not in (0, 1) or kv_cache.dim() != 5 or kv_cache.shape[kv_dim] != 2:
+        check_flash_kv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim)
+    try:
+        _flash_kernel(key, value, kv_cache.select(kv_dim, 0), kv_cache.select(kv_dim, 1), slot_mapping,
+                      kv_cache_dtype, k_scale, v_scale)
+    except ValueError:   # the same error, naming kv_cache's halves
+        check_flash_kv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim)
+        raise
+
+
+def _kv_reference(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim):
+    kc, vc, _ = check_flash_kv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim)
+    reference.reshape_and_cache_flash(key, value, kc, vc, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+def _kv_fake(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim):
+    check_flash_kv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim)
+
+
+def _kv_examples():
+    """vLLM's flash layout [2, num_blocks, bs, H, D] and FlashInfer's [num_blocks, 2, bs, H, D]."""
+    key, value, _, _, slots, _, _, _ = _flash_examples()["bf16 auto NHD"]
+    nb, bs = 32, 16
+    scale = (key.float().abs().amax() / 64).reshape(1)
+    return {
+        "bf16 auto [2, nb, bs, H, D]": (key, value, torch.zeros(2, nb, bs, *key.shape[1:], dtype=torch.bfloat16),
+                                        slots, "auto", torch.ones(1), torch.ones(1), 0),
+        "bf16->fp8 [nb, 2, bs, H, D]": (key, value, torch.zeros(nb, 2, bs, *key.shape[1:], dtype=torch.uint8),
+                                        slots, "fp8", scale, scale, 1),
+    }
 
 
 _flash_op = register_op(
@@ -227,10 +267,27 @@ _diffkv_op = register_op(
     "str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()",
     reference=_diffkv_reference, kernel=_diffkv_kernel, fake=_diffkv_fake, examples=_diffkv_examples)
 
+_kv_op = register_op(
+    "reshape_and_cache_flash_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+    "str kv_cache_dtype, Tensor k_scale, Tensor v_scale, int kv_dim=0) -> ()",
+    reference=_kv_reference, kernel=_kv_kernel, fake=_kv_fake, examples=_kv_examples)
+
+
+def _scale(name: str, scale, like: torch.Tensor) -> torch.Tensor:
+    """A scale given as a Python number (checked: finite and > 0) as a 1-element fp32 tensor on
+    `like`'s device; a tensor is passed through unchecked (its value is on the device, R3)."""
+    if isinstance(scale, torch.Tensor):
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"{name} must be a 1-element float32 tensor or a Python float, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {scale}")
+    return torch.full((1,), float(scale), dtype=torch.float32, device=like.device)
+
 
 def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
-                            k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+                            k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
     """Write the first T = len(slot_mapping) tokens of `key`/`value` into a paged KV cache.
 
     key, value: [T_k >= T, H, D], fp16/bf16/fp32 (or fp8, stored without scaling), any strides.
@@ -238,21 +295,44 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     with V [num_blocks, H, D, bs]; any strides; dtype per `kv_cache_dtype` ("auto"/float names: the
     cache's own float dtype; "fp8"/"fp8_e4m3": uint8 = platform e4m3, or typed e4m3; "fp8_e5m2").
     slot_mapping: [T] int64/int32; token t goes to slot s = block*bs + offset; s < 0 or
-    s >= num_blocks*bs skips the token. k_scale, v_scale: 1-element fp32; fp8 caches store
-    saturate(x / scale) with RNE. Mutates key_cache and value_cache; returns None.
+    s >= num_blocks*bs skips the token. k_scale, v_scale: 1-element fp32 tensors, or Python floats
+    (which must be finite and > 0); fp8 caches store saturate(x / scale) with RNE. A scale tensor
+    is never read on the host: 0, negative, inf or NaN scales give IEEE x / scale, saturated
+    (docs/ops/cache.md). Mutates key_cache and value_cache; returns None.
+
+    Under torch.compile(dynamic=True), caches that are views of one buffer created inside the
+    compiled function (kv_cache[0], kv_cache[1]) are mis-written by inductor (pytorch#198068):
+    pass the buffer to `reshape_and_cache_flash_kv` instead.
     """
-    _flash_op(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    _flash_op(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+              _scale("k_scale", k_scale, key_cache), _scale("v_scale", v_scale, key_cache))
 
 
 def reshape_and_cache_flash_diffkv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                                    slot_mapping: torch.Tensor, kv_cache_dtype: str,
-                                   k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+                                   k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
     """Write K [T_k, H, Dk] and V [T_k, H, Dv] into one cache [num_blocks, bs, H, Dk+Dv].
 
     K lands in kv_cache[..., :Dk] and V in kv_cache[..., Dk:]; slot and dtype rules are those of
     `reshape_and_cache_flash`. Mutates kv_cache; returns None.
     """
-    _diffkv_op(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    _diffkv_op(key, value, kv_cache, slot_mapping, kv_cache_dtype, _scale("k_scale", k_scale, kv_cache),
+               _scale("v_scale", v_scale, kv_cache))
+
+
+def reshape_and_cache_flash_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor | float,
+                               v_scale: torch.Tensor | float, kv_dim: int = 0) -> None:
+    """`reshape_and_cache_flash` into one buffer holding both NHD caches along `kv_dim`.
+
+    kv_cache: [2, num_blocks, bs, H, D] (kv_dim=0, vLLM's flash layout) or [num_blocks, 2, bs, H, D]
+    (kv_dim=1, FlashInfer's); K goes to kv_cache.select(kv_dim, 0), V to .select(kv_dim, 1). The
+    same write as passing those two views to `reshape_and_cache_flash`, but with one mutated
+    argument, which torch.compile(dynamic=True) handles correctly (see that function's note).
+    Mutates kv_cache; returns None.
+    """
+    _kv_op(key, value, kv_cache, slot_mapping, kv_cache_dtype, _scale("k_scale", k_scale, kv_cache),
+           _scale("v_scale", v_scale, kv_cache), kv_dim)
 
 
 triton_reshape_and_cache_flash = reshape_and_cache_flash
