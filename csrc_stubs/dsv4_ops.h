@@ -45,4 +45,20 @@ inline void reshape_and_cache_flash_diffkv(
   return op.call(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale);
 }
 
+// dsv4::reshape_and_cache_flash_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale, int kv_dim=0) -> ()
+inline void reshape_and_cache_flash_kv(
+    const at::Tensor& key,
+    const at::Tensor& value,
+    at::Tensor& kv_cache,
+    const at::Tensor& slot_mapping,
+    c10::string_view kv_cache_dtype,
+    const at::Tensor& k_scale,
+    const at::Tensor& v_scale,
+    int64_t kv_dim /* = 0 */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::reshape_and_cache_flash_kv", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&, c10::string_view, const at::Tensor&, const at::Tensor&, int64_t)>();
+  return op.call(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim);
+}
+
 }  // namespace dsv4

@@ -11,4 +11,5 @@
 TORCH_LIBRARY_FRAGMENT(dsv4, m) {
   m.def("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
   m.def("reshape_and_cache_flash_diffkv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
+  m.def("reshape_and_cache_flash_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale, int kv_dim=0) -> ()");
 }

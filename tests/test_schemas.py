@@ -60,7 +60,8 @@ class TestSchemas(expecttest.TestCase):
         schemas = "\n".join(sorted(str(card.op._schema) for card in OPS.values()))
         self.assertExpectedInline(schemas, """\
 dsv4::reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()
-dsv4::reshape_and_cache_flash_diffkv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()""")
+dsv4::reshape_and_cache_flash_diffkv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()
+dsv4::reshape_and_cache_flash_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale, int kv_dim=0) -> ()""")
 
     def test_stubs_are_current(self):
         diff = stubs.check()
