@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import operator
 from typing import Callable
 
@@ -94,8 +95,8 @@ def _with_version_bump(impl: Callable, schema: str) -> Callable:
     take = operator.itemgetter(*mutated)
     single = len(mutated) == 1
 
-    def run(*args):
-        out = impl(*args)
+    def run(*args, **kwargs):
+        out = impl(*args, **kwargs)
         _bump_versions((take(args),) if single else take(args))
         return out
 
@@ -114,10 +115,18 @@ def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Cal
     name = schema.split("(", 1)[0]
     if name in OPS:
         raise RuntimeError(f"dsv4::{name} is already registered")
+    # the dispatcher leaves out trailing arguments that equal their default: every implementation
+    # must declare the schema's defaults
+    parsed = torch._C.parse_schema(f"{NAMESPACE}::{schema}")
+    for impl in (reference, kernel, fake):
+        params = list(inspect.signature(impl).parameters.values())
+        for i, a in enumerate(parsed.arguments):
+            if a.has_default_value() and (i >= len(params) or params[i].default is inspect.Parameter.empty):
+                raise TypeError(f"dsv4::{name}: {impl.__name__} must give argument {a.name!r} its default")
     _LIB.define(schema)
 
-    def cpu_impl(*args):
-        return (kernel if _CPU.triton else reference)(*args)
+    def cpu_impl(*args, **kwargs):
+        return (kernel if _CPU.triton else reference)(*args, **kwargs)
 
     # ROCm builds of torch dispatch HIP tensors through CUDA too
     _LIB.impl(name, _with_version_bump(kernel, schema), "CUDA")

@@ -224,7 +224,7 @@ def check_flash_kv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, 
                          .replace("value_cache", f"kv_cache.select({kv_dim}, 1)")) from None
 
 
-def _kv_kernel(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim):
+def _kv_kernel(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim=0):
     if kv_dim not in (0, 1) or kv_cache.dim() != 5 or kv_cache.shape[kv_dim] != 2:
         check_flash_kv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim)
     try:
@@ -235,12 +235,12 @@ def _kv_kernel(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_sc
         raise
 
 
-def _kv_reference(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim):
+def _kv_reference(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim=0):
     kc, vc, _ = check_flash_kv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim)
     reference.reshape_and_cache_flash(key, value, kc, vc, slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
 
-def _kv_fake(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim):
+def _kv_fake(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim=0):
     check_flash_kv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim)
 
 
