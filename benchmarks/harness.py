@@ -424,6 +424,22 @@ def plot_series(doc: dict, path: str) -> str | None:
     return os.path.basename(path)
 
 
+def targets_line(doc: dict) -> str:
+    """The run's verdict on the family's own targets, in one line."""
+    targets = doc.get("targets") or {}
+    if not targets:
+        return "targets: none defined"
+    failed = [name for name, t in targets.items() if t.get("pass") is False]
+    unjudged = [name for name, t in targets.items() if t.get("pass") is None]
+    if doc.get("device_type") != "cuda":
+        return f"targets: {len(targets)} not judged (no GPU; they are judged on a GPU run only)"
+    if failed:
+        return f"targets: FAIL {len(failed)} of {len(targets)}: {', '.join(failed)}"
+    if unjudged:
+        return f"targets: {len(targets) - len(unjudged)} pass, {len(unjudged)} not measured: {', '.join(unjudged)}"
+    return f"targets: all {len(targets)} pass"
+
+
 def _fmt(x, spec: str) -> str:
     return format(x, spec) if isinstance(x, (int, float)) else "-"
 
@@ -464,7 +480,7 @@ def print_summary(doc: dict, path: str) -> None:
     for name, t in doc.get("targets", {}).items():
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t.get("pass")]
         print(f"target {name:<30} {verdict:<5} value={t.get('value')} (want {t.get('target')})")
-    print(f"all targets pass: {doc.get('all_targets_pass')}")
+    print(targets_line(doc))
     for e in doc.get("errors", []):
         print(f"error: {e[:300]}")
     print(f"json: {path}", flush=True)

@@ -39,7 +39,8 @@ def _interrupt(signum, frame):
 
 
 def main(argv=None) -> int:
-    """Parse arguments, run each family; return 1 if any step, case or correctness check failed."""
+    """Parse arguments, run each family; return 1 if any step, case, correctness check or (on a GPU)
+    target failed."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output folder for bench_<family>.json/.png")
     p.add_argument("--quick", action="store_true", help="fewer sizes and variants")
@@ -64,6 +65,7 @@ def main(argv=None) -> int:
             with ctx:
                 doc = harness.run_family(importlib.import_module(FAMILIES[family]), device, args.quick, args.out)
             failed |= bool(doc["errors"]) or any("error" in c or c.get("check", "ok") != "ok" for c in doc["cases"])
+            failed |= doc.get("all_targets_pass") is False
         except KeyboardInterrupt:
             print(f"family {family}: interrupted; stopping", flush=True)
             return 1

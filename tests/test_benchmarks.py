@@ -13,7 +13,7 @@ HEADER_KEYS = ("family", "device", "device_type", "torch", "triton", "date", "qu
 CASE_KEYS = ("name", "series", "params", "method", "bytes", "nsets", "us", "gbps", "pct_of_copy", "check")
 TARGETS = ("bf16_T65536_pct_of_copy", "fp8_T65536_pct_of_copy", "graph_us_per_call_T_le_64_cold",
            "graph_us_per_call_T_le_64_decode_step",
-           "eager_host_overhead_ratio_T1")
+           "eager_host_overhead_ratio_T1_bf16", "eager_host_overhead_ratio_T1_fp8")
 
 
 def test_quick_cpu_run_writes_json(tmp_path):
@@ -37,15 +37,17 @@ def test_quick_cpu_run_writes_json(tmp_path):
             assert key in case, (case["name"], key)
         assert case["method"] == "wall" and case["us"] > 0 and case["gbps"] > 0 and case["bytes"] > 0
         assert case["check"] == "ok", case
-    assert {c["params"]["layout"] for c in doc["cases"]} == {"nhd", "head_major", "diffkv"}
+    assert {c["params"]["layout"] for c in doc["cases"]} == {"nhd", "head_major", "diffkv", "kv"}
 
     host = doc["host_overhead"]
     assert host["errors"] == {}
-    assert {"x.add_(1)", "public reshape_and_cache_flash"} <= set(host["us_per_call"])
-    assert host["ratio_public_to_add"] > 0
+    assert {"x.add_(1)", "public reshape_and_cache_flash (bf16)", "public reshape_and_cache_flash (fp8)",
+            "no-op op, same schema (dispatcher only)"} <= set(host["us_per_call"])
+    assert host["ratio_to_add"]["bf16"]["median"] > 0 and host["ratio_to_add"]["fp8"]["median"] > 0
 
     assert set(TARGETS) <= set(doc["targets"])
     assert all(t["pass"] is None for t in doc["targets"].values())   # targets are judged on a GPU only
     assert doc["all_targets_pass"] is None
+    assert "targets: 6 not judged (no GPU" in proc.stdout
     if importlib.util.find_spec("matplotlib") is not None:
         assert doc["plot"] == "bench_cache.png" and (tmp_path / "bench_cache.png").stat().st_size > 0
