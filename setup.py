@@ -4,9 +4,11 @@ from setuptools import find_packages, setup
 setup(
     name="torch_dsv4_ops",
     version="0.1.0",
-    description="DeepSeek-V4 attention plumbing (paged KV caches, fp8 K cache, sparse indices, "
-                "metadata, paged attention) as torch.library custom ops with Triton kernels",
+    description="DeepSeek-V4 attention plumbing as torch.library custom ops (dsv4::) with Triton kernels "
+                "and pure-torch CPU references; so far the paged flash KV-cache writes",
     packages=find_packages(include=["torch_dsv4_ops", "torch_dsv4_ops.*"]),
+    # tested: Python 3.11 and 3.12, torch 2.11 to 2.13, triton 3.6 to 3.9. Install torch first (the CPU
+    # build from https://download.pytorch.org/whl/cpu where there is no GPU; see README.md).
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "triton>=3.6", "numpy"],
     extras_require={
