@@ -52,7 +52,8 @@ gpu-test: ## on an H100/H200: GPU suite, memcheck, self-check and benchmarks, re
 	OUT=$(OUT) bash scripts/gpu_suite.sh
 
 bench: install ## install the bench extra (matplotlib), then the benchmarks: JSON + PNG under OUT/bench
-	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PIP) install -q -e ".[test,bench]"
+	@$(PYTHON) -c "import matplotlib" 2>/dev/null || { \
+	  echo "installing the bench extra (matplotlib)"; $(PIP) install -q -e ".[test,bench]"; }
 	$(PYTHON) -m benchmarks.run --out $(OUT)/bench
 
 compile-matrix: ## compile every kernel specialisation for every GPU target, no GPU needed
