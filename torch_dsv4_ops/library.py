@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import inspect
 import operator
+import os
 from typing import Callable
 
 import torch
@@ -76,9 +77,13 @@ def mutated_positions(schema: str) -> tuple[int, ...]:
     return tuple(i for i, a in enumerate(parsed.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
+# torch.autograd.graph.increment_version without its isinstance check (hot path); the public one elsewhere
+_increment = getattr(torch._C, "_increment_version", increment_version)
+
+
 def _bump_versions(tensors) -> None:
     try:
-        increment_version(tensors)
+        _increment(tensors)
     except RuntimeError:   # an inference tensor outside inference mode has no version counter
         increment_version(tuple(t for t in tensors if not t.is_inference()))
 
@@ -104,9 +109,64 @@ def _with_version_bump(impl: Callable, schema: str) -> Callable:
     return run
 
 
+class _EagerFastPath:
+    """Whether public wrappers may call the CUDA implementation without the dispatcher (see
+    `_public_caller`). On by default; TORCH_DSV4_EAGER_FAST_PATH=0 turns it off."""
+
+    enabled = os.environ.get("TORCH_DSV4_EAGER_FAST_PATH", "1") != "0"
+
+
+EAGER_FAST_PATH = _EagerFastPath()
+
+_maybe_functorch_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
+if _maybe_functorch_level is None:   # cannot tell whether a functorch transform is active: no fast path
+    EAGER_FAST_PATH.enabled = False
+
+
+def _public_caller(op: torch._ops.OpOverload, kernel: Callable, schema: str) -> Callable:
+    """What the Python wrappers call: `op` through the dispatcher, except in plain eager execution on
+    CUDA tensors, where the dispatcher would reach the registered CUDA implementation (`kernel`,
+    then the version bump) with the same arguments, and the call does exactly that itself (~4 us
+    less host time per call). Plain means: not compiling or tracing, no dispatch or function mode,
+    no functorch transform, no profiler, and every tensor argument an exact torch.Tensor with the
+    first mutated one on CUDA. `torch.ops.dsv4.<name>` always goes through the dispatcher."""
+    parsed = torch._C.parse_schema(f"{NAMESPACE}::{schema}")
+    tensor_positions = tuple(i for i, a in enumerate(parsed.arguments) if isinstance(a.type, torch.TensorType))
+    mutated = mutated_positions(schema)
+    if not mutated or any(a.kwarg_only for a in parsed.arguments):
+        return op
+    first = mutated[0]
+    take_tensors = operator.itemgetter(*tensor_positions)
+    take_mutated = operator.itemgetter(*mutated)
+    single = len(mutated) == 1
+    plain = (torch.Tensor,) * len(tensor_positions)
+    is_compiling = torch.compiler.is_compiling
+    dispatch_modes = torch._C._len_torch_dispatch_stack
+    function_modes = torch._C._is_torch_function_mode_enabled
+    profiling = torch._C._autograd._profiler_enabled
+    tracing = torch._C._get_tracing_state
+    flag = EAGER_FAST_PATH
+
+    def call(*args):
+        if (not is_compiling() and flag.enabled and args[first].is_cuda and not dispatch_modes()
+                and not function_modes() and not profiling() and tracing() is None
+                and _maybe_functorch_level() is None and tuple(map(type, take_tensors(args))) == plain):
+            out = kernel(*args)
+            try:
+                _increment((take_mutated(args),) if single else take_mutated(args))
+            except RuntimeError:
+                _bump_versions((take_mutated(args),) if single else take_mutated(args))
+            return out
+        return op(*args)
+
+    return call
+
+
 def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Callable,
-                examples: Callable | None = None) -> torch._ops.OpOverload:
-    """Define `dsv4::<schema>`, register its three implementations and return the bound overload.
+                examples: Callable | None = None) -> Callable:
+    """Define `dsv4::<schema>`, register its three implementations and return what the public
+    Python wrapper calls (`torch.ops.dsv4.<name>.default`, with the eager fast path of
+    `_public_caller`).
 
     `reference` and `kernel` each validate their arguments (the shared validator of the family)
     and return what the schema says; `fake` validates and allocates with `new_empty` only.
@@ -128,10 +188,9 @@ def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Cal
     def cpu_impl(*args, **kwargs):
         return (kernel if _CPU.triton else reference)(*args, **kwargs)
 
-    # ROCm builds of torch dispatch HIP tensors through CUDA too
-    _LIB.impl(name, _with_version_bump(kernel, schema), "CUDA")
+    _LIB.impl(name, _with_version_bump(kernel, schema), "CUDA")   # ROCm builds dispatch HIP tensors through CUDA too
     _LIB.impl(name, _with_version_bump(cpu_impl, schema), "CPU")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
     OPS[name] = OpCard(name, schema, reference, kernel, fake, examples, op, mutated_positions(schema))
-    return op
+    return _public_caller(op, kernel, schema)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from functools import reduce
+from operator import or_
 
 import torch
 import triton
@@ -29,6 +31,9 @@ VERIFIED_TRITON = ("3.6",)
 
 ENV_DIRECT = "TORCH_DSV4_DIRECT_LAUNCH"
 ALL_ALIGNED = -1
+
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def triton_minor(version: str) -> str:
@@ -125,16 +130,20 @@ def _direct_entry(compiled) -> tuple:
 class Launch:
     """One specialisation of one kernel on one device: call it with the tensor arguments."""
 
-    __slots__ = ("launcher", "grid", "dtypes", "ints", "tail", "meta", "device", "device_index", "spec",
-                 "_entries")
+    __slots__ = ("launcher", "runtime", "grid", "dtypes", "ints", "tail", "meta", "device", "device_index",
+                 "check_device", "spec", "_entries", "_aligned_entry")
 
     def __init__(self, launcher, grid, dtypes, ints, constexpr_values, meta, device, spec):
         self.launcher, self.dtypes, self.ints, self.meta, self.device, self.spec = \
             launcher, dtypes, ints, meta, device, spec
+        self.runtime = launcher.runtime if launcher.available else None   # None: always Triton's path
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.tail = ints + constexpr_values
         self.device_index = device.index if device.type == "cuda" else None
+        # with one visible GPU every CUDA tensor is on the current device: no per-call device check
+        self.check_device = self.device_index is not None and torch.cuda.device_count() > 1
         self._entries: dict = {}      # aligned mask -> (function, middle arguments)
+        self._aligned_entry = None    # the entry when every pointer is 16-byte aligned (the usual case)
 
     def arguments(self, tensors) -> tuple:
         """The runtime arguments of Triton's public path: the tensors viewed as `dtypes`, then the ints."""
@@ -145,32 +154,35 @@ class Launch:
         return self.launcher.fn[self.grid](*self.arguments(tensors), **self.meta)
 
     def __call__(self, *tensors) -> None:
-        launcher = self.launcher
-        if self.device_index is not None and torch._C._cuda_getDevice() != self.device_index:
+        if self.check_device and _current_device() != self.device_index:
             with torch.cuda.device(self.device_index):
                 self(*tensors)
             return
-        if not launcher.available:
+        rt = self.runtime
+        if rt is None:
             self.public(tensors)
             return
-        rt = launcher.runtime
-        if _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook):
+        try:       # Triton 3.6+: HookChains, empty unless a profiler added a hook
+            hooked = rt.launch_enter_hook.calls or rt.launch_exit_hook.calls
+        except AttributeError:
+            hooked = _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
+        if hooked:
             self.public(tensors)
             return
         # Tensors go to the compiled launcher as raw addresses: for a tensor it would call data_ptr()
         # and cuPointerGetAttribute (a driver call) on each, per launch.
         ptrs = [t.data_ptr() for t in tensors]
-        ored = 0
-        for p in ptrs:
-            ored |= p
-        aligned = ALL_ALIGNED if ored & 15 == 0 else sum(((p & 15) == 0) << i for i, p in enumerate(ptrs))
-        entry = self._entries.get(aligned)
+        if reduce(or_, ptrs) & 15:
+            aligned = sum(((p & 15) == 0) << i for i, p in enumerate(ptrs))
+            entry = self._entries.get(aligned)
+        else:
+            aligned, entry = ALL_ALIGNED, self._aligned_entry
         if entry is None:
             entry = self._first_launch(tensors, aligned)
             if entry is None:
                 return
         function, middle = entry
-        function(*self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), *middle, *ptrs, *self.tail)
+        function(*self.grid, _raw_stream(self.device_index), *middle, *ptrs, *self.tail)
 
     def _first_launch(self, tensors, aligned):
         """Launch through Triton's JIT if no compiled kernel is known for this alignment (returns None),
@@ -187,4 +199,6 @@ class Launch:
             launcher._compiled[key] = self.public(tensors)
             return None
         self._entries[aligned] = entry = _direct_entry(compiled)
+        if aligned == ALL_ALIGNED:
+            self._aligned_entry = entry
         return entry

@@ -304,8 +304,9 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     compiled function (kv_cache[0], kv_cache[1]) are mis-written by inductor (pytorch#198068):
     pass the buffer to `reshape_and_cache_flash_kv` instead.
     """
-    _flash_op(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-              _scale("k_scale", k_scale, key_cache), _scale("v_scale", v_scale, key_cache))
+    if not isinstance(k_scale, torch.Tensor) or not isinstance(v_scale, torch.Tensor):
+        k_scale, v_scale = _scale("k_scale", k_scale, key_cache), _scale("v_scale", v_scale, key_cache)
+    _flash_op(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
 
 def reshape_and_cache_flash_diffkv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
