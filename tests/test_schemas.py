@@ -14,13 +14,22 @@ import time
 import unittest
 from pathlib import Path
 
-import expecttest
 import pytest
 import torch
 import torch.utils.cpp_extension
 
 from torch_dsv4_ops import OPS, stubs
 from torch_dsv4_ops.library import NAMESPACE
+
+try:
+    import expecttest
+    _TestCase = expecttest.TestCase
+except ImportError:   # only the inline expectations need expecttest; every other check runs without it
+    expecttest = None
+
+    class _TestCase(unittest.TestCase):
+        def assertExpectedInline(self, actual, expect, skip=0):
+            self.skipTest("expecttest is not installed (pip install expecttest)")
 
 HEADER = stubs.STUB_DIR / stubs.HEADER
 SOURCE = stubs.STUB_DIR / stubs.SOURCE
@@ -55,7 +64,7 @@ def _declared_params(header: str) -> dict[str, dict[str, str]]:
     return decls
 
 
-class TestSchemas(expecttest.TestCase):
+class TestSchemas(_TestCase):
     def test_registered_schemas(self):
         schemas = "\n".join(sorted(str(card.op._schema) for card in OPS.values()))
         self.assertExpectedInline(schemas, """\

@@ -30,7 +30,7 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
         raise AssertionError(f"{what}: shape/dtype {tuple(actual.shape)} {actual.dtype} "
                              f"!= {tuple(expected.shape)} {expected.dtype}")
     a, e = actual.detach().cpu(), expected.detach().cpu()
-    ab, eb = as_bytes(a).view(a.shape + (-1,)), as_bytes(e).view(e.shape + (-1,))
+    ab, eb = as_bytes(a).view(a.shape + (a.element_size(),)), as_bytes(e).view(e.shape + (e.element_size(),))
     bad = (ab != eb).any(-1)
     if bad.any():
         idx = bad.nonzero()[:5].tolist()
@@ -75,7 +75,7 @@ def random_bytes_(t: torch.Tensor, generator: torch.Generator | None = None) -> 
 def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """Bool mask (shape of the tensor) of elements whose bytes changed."""
     b, a = as_bytes(before.cpu()), as_bytes(after.cpu())
-    return (b.view(before.shape + (-1,)) != a.view(after.shape + (-1,))).any(-1)
+    return (b.view(before.shape + (before.element_size(),)) != a.view(after.shape + (after.element_size(),))).any(-1)
 
 
 # --- inputs -------------------------------------------------------------------------------------
@@ -197,9 +197,18 @@ def sync_debug_error():
 
 
 def triton_cache_entries(kernel) -> int:
-    """How many compiled specialisations a @triton.jit kernel holds (all devices; 0 under the
-    interpreter, which compiles nothing)."""
-    return sum(len(entry[0]) for entry in getattr(kernel, "device_caches", {}).values())
+    """How many compiled specialisations a @triton.jit kernel holds (all devices).
+
+    Raises RuntimeError where they cannot be counted (no `device_caches`: under the interpreter,
+    which compiles nothing, or a Triton whose JIT keeps them elsewhere), so that a "no new
+    compilation" check can never pass without counting.
+    """
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        raise RuntimeError(f"triton_cache_entries: {getattr(kernel, '__name__', type(kernel).__name__)} has no "
+                           "device_caches (interpreted, or this Triton keeps compiled kernels elsewhere); "
+                           "cannot count its compiled specialisations")
+    return sum(len(entry[0]) for entry in caches.values())
 
 
 def nonzero_share(t: torch.Tensor) -> float:
