@@ -1,12 +1,14 @@
-"""Where the eager host time of one launch goes (GPU only): `python -m benchmarks.probe_launch`.
+"""Where the eager host time of one launch goes (GPU only): `python -m benchmarks.probe_launch [--tiles]`.
 
 Prints Triton's launch hooks, the host microseconds per call of each piece of a launch (from a
-trivial kernel to the public op), and a profile of the public op. A diagnostic, not a benchmark.
+trivial kernel to the public op), and a profile of the public op; with --tiles also the tile sweep
+of the cache kernel. A diagnostic, not a benchmark.
 """
 from __future__ import annotations
 
 import cProfile
 import pstats
+import sys
 
 import torch
 import triton
@@ -104,7 +106,8 @@ def main() -> None:
     torch.cuda.synchronize()
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-    _tile_sweep(dev)
+    if "--tiles" in sys.argv:
+        _tile_sweep(dev)
 
 
 if __name__ == "__main__":

@@ -186,7 +186,12 @@ def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Cal
     _LIB.define(schema)
 
     def cpu_impl(*args, **kwargs):
-        return (kernel if _CPU.triton else reference)(*args, **kwargs)
+        if _CPU.triton:
+            return kernel(*args, **kwargs)
+        # the reference writes with torch indexing, which torch refuses on inference tensors outside
+        # inference mode; the kernel writes through pointers: run it where both accept the same tensors
+        with torch.inference_mode():
+            return reference(*args, **kwargs)
 
     _LIB.impl(name, _with_version_bump(kernel, schema), "CUDA")   # ROCm builds dispatch HIP tensors through CUDA too
     _LIB.impl(name, _with_version_bump(cpu_impl, schema), "CPU")
