@@ -129,37 +129,42 @@ def _public_caller(op: torch._ops.OpOverload, kernel: Callable, schema: str) -> 
     then the version bump) with the same arguments, and the call does exactly that itself (~4 us
     less host time per call). Plain means: not compiling or tracing, no dispatch or function mode,
     no functorch transform, no profiler, and every tensor argument an exact torch.Tensor with the
-    first mutated one on CUDA. `torch.ops.dsv4.<name>` always goes through the dispatcher."""
+    first mutated one on CUDA. `torch.ops.dsv4.<name>` always goes through the dispatcher.
+
+    The function is generated from the schema (its parameters by name, the type checks unrolled):
+    this is the hot path of every eager call."""
     parsed = torch._C.parse_schema(f"{NAMESPACE}::{schema}")
-    tensor_positions = tuple(i for i, a in enumerate(parsed.arguments) if isinstance(a.type, torch.TensorType))
+    arguments = parsed.arguments
     mutated = mutated_positions(schema)
-    if not mutated or any(a.kwarg_only for a in parsed.arguments):
+    if not mutated or any(a.kwarg_only for a in arguments):
         return op
-    first = mutated[0]
-    take_tensors = operator.itemgetter(*tensor_positions)
-    take_mutated = operator.itemgetter(*mutated)
-    single = len(mutated) == 1
-    plain = (torch.Tensor,) * len(tensor_positions)
-    is_compiling = torch.compiler.is_compiling
-    dispatch_modes = torch._C._len_torch_dispatch_stack
-    function_modes = torch._C._is_torch_function_mode_enabled
-    profiling = torch._C._autograd._profiler_enabled
-    tracing = torch._C._get_tracing_state
-    flag = EAGER_FAST_PATH
-
-    def call(*args):
-        if (not is_compiling() and flag.enabled and args[first].is_cuda and not dispatch_modes()
-                and not function_modes() and not profiling() and tracing() is None
-                and _maybe_functorch_level() is None and tuple(map(type, take_tensors(args))) == plain):
-            out = kernel(*args)
-            try:
-                _increment((take_mutated(args),) if single else take_mutated(args))
-            except RuntimeError:
-                _bump_versions((take_mutated(args),) if single else take_mutated(args))
-            return out
-        return op(*args)
-
-    return call
+    names = [f"a{i}" for i in range(len(arguments))]
+    params = ", ".join(n if not a.has_default_value() else f"{n}={a.default_value!r}"
+                       for n, a in zip(names, arguments))
+    plain = " and ".join(f"type({n}) is Tensor" for n, a in zip(names, arguments)
+                         if isinstance(a.type, torch.TensorType))
+    written = "(" + "".join(f"{names[i]}, " for i in mutated) + ")"
+    source = f"""
+def call({params}):
+    if (not is_compiling() and flag.enabled and {names[mutated[0]]}.is_cuda and not dispatch_modes()
+            and not function_modes() and not profiling() and not tracing() and functorch_level() is None
+            and {plain}):
+        out = kernel({", ".join(names)})
+        try:
+            increment({written})
+        except RuntimeError:
+            bump_versions({written})
+        return out
+    return op({", ".join(names)})
+"""
+    scope = dict(is_compiling=torch.compiler.is_compiling, flag=EAGER_FAST_PATH, Tensor=torch.Tensor,
+                 dispatch_modes=torch._C._len_torch_dispatch_stack,
+                 function_modes=torch._C._is_torch_function_mode_enabled,
+                 profiling=torch._C._autograd._profiler_enabled, tracing=torch._C._is_tracing,
+                 functorch_level=_maybe_functorch_level, kernel=kernel, op=op, increment=_increment,
+                 bump_versions=_bump_versions)
+    exec(compile(source, f"<dsv4 public caller of {parsed.name}>", "exec"), scope)
+    return scope["call"]
 
 
 def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Callable,

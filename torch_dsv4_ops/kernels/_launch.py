@@ -131,7 +131,7 @@ class Launch:
     """One specialisation of one kernel on one device: call it with the tensor arguments."""
 
     __slots__ = ("launcher", "runtime", "grid", "dtypes", "ints", "tail", "meta", "device", "device_index",
-                 "check_device", "spec", "_entries", "_aligned_entry")
+                 "check_device", "spec", "_entries", "_ready")
 
     def __init__(self, launcher, grid, dtypes, ints, constexpr_values, meta, device, spec):
         self.launcher, self.dtypes, self.ints, self.meta, self.device, self.spec = \
@@ -143,7 +143,8 @@ class Launch:
         # with one visible GPU every CUDA tensor is on the current device: no per-call device check
         self.check_device = self.device_index is not None and torch.cuda.device_count() > 1
         self._entries: dict = {}      # aligned mask -> (function, middle arguments)
-        self._aligned_entry = None    # the entry when every pointer is 16-byte aligned (the usual case)
+        # the usual case, once known: direct path, no device check, every pointer 16-byte aligned
+        self._ready = None
 
     def arguments(self, tensors) -> tuple:
         """The runtime arguments of Triton's public path: the tensors viewed as `dtypes`, then the ints."""
@@ -154,29 +155,35 @@ class Launch:
         return self.launcher.fn[self.grid](*self.arguments(tensors), **self.meta)
 
     def __call__(self, *tensors) -> None:
+        ready = self._ready
+        if ready is not None:
+            function, grid, middle, tail, index, rt = ready
+            # Tensors go to the compiled launcher as raw addresses: for a tensor it would call
+            # data_ptr() and cuPointerGetAttribute (a driver call) on each, per launch.
+            ptrs = [t.data_ptr() for t in tensors]
+            try:       # Triton 3.6+: HookChains, empty unless a profiler added a hook
+                hooked = rt.launch_enter_hook.calls or rt.launch_exit_hook.calls
+            except AttributeError:
+                hooked = True
+            if not hooked and not reduce(or_, ptrs) & 15:
+                function(*grid, _raw_stream(index), *middle, *ptrs, *tail)
+                return
+        self._general(tensors)
+
+    def _general(self, tensors) -> None:
+        """Every case: another current device, Triton's path, launch hooks, unaligned pointers."""
         if self.check_device and _current_device() != self.device_index:
             with torch.cuda.device(self.device_index):
-                self(*tensors)
+                self._general(tensors)
             return
         rt = self.runtime
-        if rt is None:
+        if rt is None or _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook):
             self.public(tensors)
             return
-        try:       # Triton 3.6+: HookChains, empty unless a profiler added a hook
-            hooked = rt.launch_enter_hook.calls or rt.launch_exit_hook.calls
-        except AttributeError:
-            hooked = _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
-        if hooked:
-            self.public(tensors)
-            return
-        # Tensors go to the compiled launcher as raw addresses: for a tensor it would call data_ptr()
-        # and cuPointerGetAttribute (a driver call) on each, per launch.
         ptrs = [t.data_ptr() for t in tensors]
-        if reduce(or_, ptrs) & 15:
-            aligned = sum(((p & 15) == 0) << i for i, p in enumerate(ptrs))
-            entry = self._entries.get(aligned)
-        else:
-            aligned, entry = ALL_ALIGNED, self._aligned_entry
+        aligned = ALL_ALIGNED if reduce(or_, ptrs) & 15 == 0 else \
+            sum(((p & 15) == 0) << i for i, p in enumerate(ptrs))
+        entry = self._entries.get(aligned)
         if entry is None:
             entry = self._first_launch(tensors, aligned)
             if entry is None:
@@ -199,6 +206,6 @@ class Launch:
             launcher._compiled[key] = self.public(tensors)
             return None
         self._entries[aligned] = entry = _direct_entry(compiled)
-        if aligned == ALL_ALIGNED:
-            self._aligned_entry = entry
+        if aligned == ALL_ALIGNED and not self.check_device:
+            self._ready = (entry[0], self.grid, entry[1], self.tail, self.device_index, self.runtime)
         return entry
