@@ -122,14 +122,19 @@ def test_unverified_version_takes_the_public_path_and_warns_once(monkeypatch):
         other.bind((1,), (torch.float32,), (), {}, torch.device("cpu"))(x)
 
 
-def test_forbidden_direct_launches_do_not_warn(monkeypatch):
-    jit, launcher, launch = _fake_launch(monkeypatch, _launch.direct_launch_policy("3.6.0", "0"))
+def _launch_twice_without_warnings(jit, launch):
+    """Two launches, any warning an error; both must have gone through the (fake) JIT."""
     x, y = torch.zeros(8), torch.zeros(8, dtype=torch.int8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch(x, y)
         launch(x, y)
     _assert_public_calls(jit, x, y, 2)
+
+
+def test_forbidden_direct_launches_do_not_warn(monkeypatch):
+    jit, launcher, launch = _fake_launch(monkeypatch, _launch.direct_launch_policy("3.6.0", "0"))
+    _launch_twice_without_warnings(jit, launch)
 
 
 @pytest.mark.parametrize("which", ["enter", "exit"])
@@ -139,12 +144,7 @@ def test_launch_hooks_take_the_public_path(monkeypatch, which):
     hook = lambda *a, **k: None   # noqa: E731
     runtime = Runtime(enter=hook) if which == "enter" else Runtime(exit=hook)
     jit, launcher, launch = _fake_launch(monkeypatch, (True, None), runtime)
-    x, y = torch.zeros(8), torch.zeros(8, dtype=torch.int8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        launch(x, y)
-        launch(x, y)
-    _assert_public_calls(jit, x, y, 2)
+    _launch_twice_without_warnings(jit, launch)
     assert launcher.cache_size() == 0
 
 
