@@ -13,6 +13,10 @@ from .ops.cache import (
     triton_reshape_and_cache_flash,
     triton_reshape_and_cache_flash_diffkv,
 )
+from .ops.k_cache import (
+    dequantize_and_gather_k_cache,
+    quantize_and_insert_k_cache,
+)
 
 __version__ = "0.1.0"
 
@@ -20,4 +24,5 @@ __all__ = [
     "OPS", "cpu_implementation", "layout", "platform",
     "reshape_and_cache_flash", "reshape_and_cache_flash_diffkv", "reshape_and_cache_flash_kv",
     "triton_reshape_and_cache_flash", "triton_reshape_and_cache_flash_diffkv",
+    "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache",
 ]
