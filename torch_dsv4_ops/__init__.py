@@ -13,6 +13,13 @@ from .ops.cache import (
     triton_reshape_and_cache_flash,
     triton_reshape_and_cache_flash_diffkv,
 )
+from .ops.sparse_index import (
+    build_c128a_topk_metadata,
+    build_flashinfer_mixed_sparse_indices,
+    combine_topk_swa_indices,
+    compute_global_topk_indices_and_lens,
+    fill_short_context_topk_indices,
+)
 from .ops.k_cache import (
     dequantize_and_gather_k_cache,
     quantize_and_insert_k_cache,

@@ -124,3 +124,20 @@ def resolve_kv_cache_format(kv_cache_dtype: str, cache_dtype: torch.dtype,
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a uint8 or float8_e5m2 cache, got {cache_dtype}")
     raise ValueError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}; expected one of "
                      f"{NON_FP8_KV_CACHE_DTYPES + E4M3_KV_CACHE_DTYPES + E5M2_KV_CACHE_DTYPES}")
+
+
+# --- Sparse index ops (SPEC §3.3) ----------------------------------------------------------------
+COMBINE_COLUMN_ALIGN = 128       # combine_topk_swa_indices: C = round_up(topk + window_size, 128) (FlashMLA tiling)
+FLASHINFER_COLUMN_ALIGN = 4      # build_flashinfer_mixed_sparse_indices: P = round_up(max(topk, Kd), 4) (16-byte rows)
+C128A_MAX_COMPRESSED_TOKENS = 8192   # max_position_embeddings // 128
+INDEX_INT32_MAX = 2**31 - 1      # int32 index outputs hold -1 where the int64 value is past this
+
+
+def combine_width(topk: int, window_size: int) -> int:
+    """Columns of combine_topk_swa_indices' fresh output."""
+    return round_up(topk + window_size, COMBINE_COLUMN_ALIGN)
+
+
+def flashinfer_compressed_width(topk: int, kd: int) -> int:
+    """P, the compressed columns of build_flashinfer_mixed_sparse_indices' rows."""
+    return round_up(max(topk, kd), FLASHINFER_COLUMN_ALIGN)
