@@ -32,4 +32,6 @@ __all__ = [
     "reshape_and_cache_flash", "reshape_and_cache_flash_diffkv", "reshape_and_cache_flash_kv",
     "triton_reshape_and_cache_flash", "triton_reshape_and_cache_flash_diffkv",
     "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache",
+    "build_c128a_topk_metadata", "build_flashinfer_mixed_sparse_indices", "combine_topk_swa_indices",
+    "compute_global_topk_indices_and_lens", "fill_short_context_topk_indices",
 ]
