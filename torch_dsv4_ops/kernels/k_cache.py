@@ -219,3 +219,67 @@ def gather_runtime_args(seq_stride: int, gather_stride: int, out_strides, bt_str
 
 INSERT_LAUNCHER = FastLauncher(quantize_insert_kernel)
 GATHER_LAUNCHER = FastLauncher(dequant_gather_kernel)
+
+
+# --- compile matrix (torch_dsv4_ops.compile_matrix) -------------------------------------------
+_MATRIX_BLOCK_SIZES = (64, 2)        # SWA/C4A and C128A pages
+
+
+def matrix_launch_insert(target: platform.Target, block_size: int, use_fnuz: bool, slot_dtype=torch.int64,
+                         padded: bool = True):
+    """What ops/k_cache.py passes to `quantize_insert_kernel` for one call on `target`: (case name,
+    tensors as `matrix.Ptr`, ints, constexprs with num_warps). 2 blocks, contiguous k and slots."""
+    from .matrix import Ptr
+
+    stride = layout.ds_mla_block_stride(block_size) if padded else layout.ds_mla_block_bytes(block_size)
+    meta = launch_options(insert_constexprs(block_size, use_fnuz, target))
+    tensors = (Ptr(torch.bfloat16), Ptr(torch.uint8), Ptr(slot_dtype))
+    ints = insert_runtime_args(layout.HEAD_DIM, 1, 2 * block_size, stride)
+    name = f"k_cache_insert.bs{block_size}.{'fnuz' if use_fnuz else 'ocp'}" \
+        + ("" if slot_dtype == torch.int64 else ".slot32") + ("" if padded else ".unpadded")
+    return name, tensors, ints, meta
+
+
+def matrix_launch_gather(target: platform.Target, block_size: int, use_fnuz: bool, has_gather: bool,
+                         table_dtype=torch.int32, width: int = 128, offset: int = 5):
+    """What ops/k_cache.py passes to `dequant_gather_kernel` (16 requests, 4-block tables)."""
+    from .matrix import Ptr
+
+    nb, cols = 64, 4
+    meta = launch_options(gather_constexprs(block_size, use_fnuz, has_gather, target))
+    tensors = (Ptr(torch.bfloat16), Ptr(torch.uint8), Ptr(torch.int32), Ptr(torch.int32), Ptr(table_dtype))
+    ints = gather_runtime_args(1, 1 if has_gather else 0, (width * layout.HEAD_DIM, layout.HEAD_DIM), (cols, 1),
+                               cols, nb, layout.ds_mla_block_stride(block_size), width, offset)
+    name = f"k_cache_gather.bs{block_size}.{'fnuz' if use_fnuz else 'ocp'}" + (".gl" if has_gather else "") \
+        + ("" if table_dtype == torch.int32 else ".table64")
+    return name, tensors, ints, meta
+
+
+def _matrix_case(target, kernel, launch):
+    from .matrix import KernelCase, specialise
+
+    name, tensors, ints, meta = launch
+    meta = {k: v for k, v in meta.items() if k not in ("num_warps", "launch_pdl")}
+    num_warps = launch[3]["num_warps"]
+    signature, consts, attrs = specialise(kernel, tensors + ints, meta, target)
+    return KernelCase(name, kernel, signature, consts, num_warps, attrs)
+
+
+def matrix_cases(target: platform.Target) -> list:
+    """Every specialisation the k_cache ops launch on `target`: both page sizes x OCP/FNUZ; insert
+    with int64/int32 slots and unpadded pages; gather with/without gather_lens and int32/int64 tables."""
+    from .matrix import dedupe
+
+    cases = []
+    for bs in _MATRIX_BLOCK_SIZES:
+        for fnuz in (False, True):
+            cases.append(_matrix_case(target, quantize_insert_kernel, matrix_launch_insert(target, bs, fnuz)))
+            cases.append(_matrix_case(target, quantize_insert_kernel,
+                                      matrix_launch_insert(target, bs, fnuz, slot_dtype=torch.int32)))
+            cases.append(_matrix_case(target, quantize_insert_kernel,
+                                      matrix_launch_insert(target, bs, fnuz, padded=False)))
+            for has_gather in (False, True):
+                for table in (torch.int32, torch.int64):
+                    cases.append(_matrix_case(target, dequant_gather_kernel,
+                                              matrix_launch_gather(target, bs, fnuz, has_gather, table)))
+    return dedupe(cases)
