@@ -192,6 +192,7 @@ _LAUNCH_SPECS = [
     ("flash", "head_major", torch.bfloat16, "auto", torch.float32, 13, 80, 80, 544),
     ("diffkv", "nhd", torch.float8_e5m2, "auto", torch.bfloat16, 13, 80, 48, 16),
     ("diffkv", "nhd", torch.bfloat16, "fp8", torch.uint8, 8, 192, 128, 64),
+    ("diffkv", "nhd", torch.bfloat16, "auto", torch.bfloat16, 8, 128, 0, 16),
 ]
 _LAUNCH_OPTIONS = [{}, {"slot_dtype": torch.int32}, {"slot_stride": 2}, {"aligned": False}]
 
@@ -236,6 +237,8 @@ def test_matrix_launch_matches_the_launcher(monkeypatch, spec, options):
     """The arguments the op hands to the kernel equal those `matrix_launch` describes (so the matrix
     compiles what really launches): tensor dtypes and alignment, every int, every constexpr."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec[7] == 0 and options:
+        pytest.skip("Dv = 0: V is an empty slice; only the plain layout is modelled")
     if device.type == "cpu" and not platform.INTERPRET:
         pytest.skip("the CPU ops run the Triton launcher only under TRITON_INTERPRET=1")
     calls = _record_launches(monkeypatch)

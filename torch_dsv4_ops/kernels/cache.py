@@ -275,8 +275,9 @@ def matrix_launch(target: platform.Target, op: str, layout_name: str, in_dtype, 
         kgeo = nhd_geometry(torch.empty((nb, bs, h, dk), dtype=cache_dtype, device="meta"))
         vgeo = nhd_geometry(torch.empty((nb, bs, h, dv), dtype=cache_dtype, device="meta"))
     row = h * (dk + dv) + 1
-    k_strides = (h * dk, dk, 1) if aligned else (row, dk, 1)
-    v_strides = (h * dv, dv, 1) if aligned else (row, dv, 1)
+    # torch's contiguous strides (a zero-size dim counts as 1), or rows of one packed buffer
+    k_strides = torch.empty((4, h, dk), device="meta").stride() if aligned else (row, max(dk, 1), 1)
+    v_strides = torch.empty((4, h, dv), device="meta").stride() if aligned else (row, max(dv, 1), 1)
     meta = constexprs(h, dk, dv, kgeo, vgeo, bs, codec, target)
     tensors = (Ptr(in_view, aligned), Ptr(in_view, aligned), Ptr(cache_view, small=not big_cache),
                Ptr(cache_view, small=not big_cache), Ptr(slot_dtype), Ptr(torch.float32), Ptr(torch.float32))
@@ -305,7 +306,8 @@ def matrix_cases(target: platform.Target) -> list:
 
     Every input dtype x cache kind (NHD, H 8, D 128); head-major, odd head counts/dims, a
     non-power-of-two block size and diffkv (Dk != Dv) for one codec of each kind; int32 and strided
-    slots, unaligned strided inputs and >2 GiB caches for the copy and fp8 paths. Duplicates dropped.
+    slots, unaligned strided inputs, >2 GiB caches and diffkv with Dv = 0 for the copy and fp8 paths.
+    Duplicates dropped.
     """
     from .matrix import dedupe
 
@@ -320,5 +322,6 @@ def matrix_cases(target: platform.Target) -> list:
                   _matrix_case(target, "flash", "nhd", i, s, c, 8, 128, 128, 16, slot_stride=2),
                   _matrix_case(target, "flash", "nhd", i, s, c, 8, 128, 128, 16, aligned=False),
                   _matrix_case(target, "diffkv", "nhd", i, s, c, 13, 80, 48, 16, aligned=False),
-                  _matrix_case(target, "flash", "head_major", i, s, c, 8, 128, 128, 16, big_cache=True)]
+                  _matrix_case(target, "flash", "head_major", i, s, c, 8, 128, 128, 16, big_cache=True),
+                  _matrix_case(target, "diffkv", "nhd", i, s, c, 8, 128, 0, 16)]      # Dv = 0: a masked V tile
     return dedupe(cases)
