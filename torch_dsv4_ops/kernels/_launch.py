@@ -8,7 +8,7 @@ Triton's compiled launcher.
 
 That direct path depends on the argument layout of Triton-internal functions, so it is taken only
 on Triton versions whose layout the GPU suite has verified (`VERIFIED_TRITON`); on any other version
-every launch takes Triton's public `kernel[grid](...)` path (correct, a few us slower) and one
+every launch takes Triton's public `kernel[grid](...)` path (correct, ~20 us slower per call) and one
 warning per process names the version. `TORCH_DSV4_DIRECT_LAUNCH=1` forces the direct path (to
 verify a new version with the GPU suite), `=0` forbids it. Under the interpreter, on ROCm (whose
 pointer specialisation also depends on the storage size) and while Triton launch hooks (profilers)
@@ -53,7 +53,7 @@ def direct_launch_policy(version: str = triton.__version__, env: str | None = No
         return True, None
     return False, (f"torch_dsv4_ops: triton {version} is not among the versions whose launcher layout has been "
                    f"verified ({', '.join(VERIFIED_TRITON)}); kernels launch through triton's public path "
-                   f"(a few us more per call). Set {ENV_DIRECT}=1 to try the direct path.")
+                   f"(~20 us more per call). Set {ENV_DIRECT}=1 to try the direct path.")
 
 
 _warned = False
