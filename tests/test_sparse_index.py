@@ -1,0 +1,841 @@
+"""Sparse index ops (SPEC §3.3, §0 lookup, §4 b, e, h, i, §5).
+
+Every worked example of SPEC §3.3 is a literal test; the reference is checked against an
+independent plain-Python oracle (below) on random batches, and the Triton kernel (interpreted on
+CPU) bit-exactly against the reference on the same batches.
+"""
+import contextlib
+
+import pytest
+import torch
+
+import torch_dsv4_ops as d
+from torch_dsv4_ops import layout
+from torch_dsv4_ops.kernels import sparse_index as kernels
+from torch_dsv4_ops.testing import (assert_bitwise_equal, check_compile, check_cuda_graph, run_opcheck,
+                                    sync_debug_error, triton_cache_entries)
+
+OPS = torch.ops.dsv4
+I32MAX = 2**31 - 1
+IMPLS = ["kernel", "reference"]
+
+
+def impl_ctx(impl, device):
+    if impl == "reference":
+        if device.type != "cpu":
+            pytest.skip("the reference is the CPU implementation")
+        return d.cpu_implementation("reference")
+    return d.cpu_implementation("triton") if device.type == "cpu" else contextlib.nullcontext()
+
+
+def i32(rows, device="cpu"):
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def L(t):
+    return t.cpu().tolist()
+
+
+# --- the independent oracle (plain Python over lists, written from SPEC's pseudo-code) -----------
+def o_lookup(bt, r, p, bs):
+    if not (0 <= r < len(bt)) or p < 0:
+        return -1
+    col = p // bs
+    if col >= len(bt[r]):
+        return -1
+    blk = bt[r][col]
+    if blk < 0:
+        return -1
+    return blk * bs + p % bs
+
+
+def o32(v):
+    return v if 0 <= v <= I32MAX else -1
+
+
+def o_global(topk, t2r, bt, bs, valid):
+    g = [[o32(o_lookup(bt, t2r[t], v, bs)) if v >= 0 else -1 for v in row] for t, row in enumerate(topk)]
+    lens = [sum(x >= 0 for x in row) if valid[t] else 0 for t, row in enumerate(g)]
+    return g, lens
+
+
+def o_combine(topk_idx, qsl, seq, gl, window, ratio, topk, M, N, width, out_rows=None, out_lens=None):
+    Tq = len(topk_idx)
+    rows = [[-1] * width for _ in range(Tq)] if out_rows is None else [list(r) for r in out_rows]
+    lens = [0] * Tq if out_lens is None else list(out_lens)
+    base = qsl[0]
+    for b in range(len(qsl) - 1):
+        qs, qe = qsl[b] - base, qsl[b + 1] - base
+        start_pos, gstart = seq[b] - (qe - qs), seq[b] - gl[b]
+        for t in range(max(qs, 0), min(qe, Tq)):
+            pos = start_pos + (t - qs)
+            row = [-1] * width
+            if pos < 0:
+                rows[t], lens[t] = row, 0
+                continue
+            tk, sw = min((pos + 1) // ratio, topk), min(pos + 1, window)
+            for j in range(tk):
+                v = topk_idx[t][j]
+                row[j] = o32(M * b + v) if 0 <= v < N else -1
+            for i in range(sw):
+                w = (pos - sw + 1 + i) - gstart
+                row[tk + i] = o32(M * b + N + w) if w >= 0 and N + w < M else -1
+            rows[t], lens[t] = row, tk + sw
+    return rows, lens
+
+
+def o_remap(v, bs, span):
+    return (v // bs) * span + v % bs if v >= 0 else -1
+
+
+def o_flashinfer(dswa, dcomp, dlens, ptopk, qsl, seq, t2r, sbt, sbs, cbt, cbs, window, ratio, topk, local, dvalid,
+                 sspan, cspan):
+    cbt = sbt if cbt is None else cbt
+    sspan, cspan = sspan or sbs, cspan or cbs
+    Td, Kd = len(dswa), (len(dcomp[0]) if dcomp else 0) if dcomp is not None else 0
+    Wswa = len(dswa[0]) if dswa else WSWA_HINT[0]
+    P = -(-max(topk, Kd) // 4) * 4
+    rows, lens = [], []
+    for t in range(Td):
+        row = [o32(o_remap(v, sbs, sspan)) for v in dswa[t]]
+        comp = [-1] * P
+        for j in range(Kd):
+            v = dcomp[t][j]
+            comp[j] = o32(o_remap(o_lookup(cbt, t2r[t], v, cbs), cbs, cspan)) if local else o32(o_remap(v, cbs, cspan))
+        if Kd == 0:
+            n = 0
+        elif local:
+            n = sum(x >= 0 for x in comp[:Kd]) if (dvalid is None or dvalid[t]) else 0
+        else:
+            n = dlens[t] if dlens is not None else Kd
+        rows.append(row + comp)
+        lens.append(Wswa + n)
+    R = min(len(qsl) - 1, len(seq))
+    for tp, loc_row in enumerate(ptopk):
+        t = Td + tp
+        r = t2r[t]
+        pos = seq[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r]) if 0 <= r < R else -1
+        sw = max(0, min(pos + 1, window))
+        s0 = pos - sw + 1
+        tk = min(max(pos + 1, 0) // ratio, topk)
+        row = [o32(o_remap(o_lookup(sbt, r, s0 + c, sbs), sbs, sspan)) if c < sw else -1 for c in range(Wswa)]
+        comp = [-1] * P
+        for j in range(min(tk, len(loc_row))):
+            if loc_row[j] >= 0:
+                comp[j] = o32(o_remap(o_lookup(cbt, r, loc_row[j], cbs), cbs, cspan))
+        rows.append(row + comp)
+        lens.append(Wswa + tk)
+    return rows, lens
+
+
+WSWA_HINT = [0]
+
+
+def o_c128a(positions, ratio, Td, t2r, bt, bs, slots, gdec, dlens, pref, mct):
+    gdec, dlens, pref = [list(r) for r in gdec], list(dlens), [list(r) for r in pref]
+    for t, pos in enumerate(positions):
+        if t < Td:
+            W = min(mct, len(gdec[t]))
+            n = min(max((pos + 1) // ratio, 0), W)
+            for j in range(W):
+                gdec[t][j] = o32(o_lookup(bt, t2r[t], j, bs)) if j < n else -1
+            dlens[t] = n if slots[t] >= 0 else 0
+        else:
+            W = min(mct, len(pref[t - Td]))
+            n = min(max((pos + 1) // ratio, 0), W)
+            for j in range(W):
+                pref[t - Td][j] = j if j < n else -1
+    return gdec, dlens, pref
+
+
+def o_fill(topk_idx, positions, topk, ratio):
+    out = [list(r) for r in topk_idx]
+    for t, pos in enumerate(positions):
+        n = max((pos + 1) // ratio, 0)
+        for j in range(topk):
+            out[t][j] = j if j < n else -1
+    return out
+
+
+# === literal worked examples (SPEC §3.3) ==========================================================
+@pytest.mark.parametrize("impl", IMPLS)
+def test_example_compute_global(device, impl):
+    with impl_ctx(impl, device):
+        args = (i32([[0, 3, -1], [1, 2, -1]], device), i32([0, 1], device), i32([[5, 7], [11, 13]], device), 2,
+                torch.tensor([True, False], device=device))
+        g, lens = d.compute_global_topk_indices_and_lens(*args)
+        assert L(g) == [[10, 15, -1], [23, 26, -1]] and L(lens) == [2, 0]
+        bufs = (torch.full((2, 3), 99, dtype=torch.int32, device=device), torch.full((2,), 99, dtype=torch.int32,
+                                                                                     device=device))
+        g2, lens2 = d.compute_global_topk_indices_and_lens(*args, output_buffers=bufs)
+        assert g2 is bufs[0] and lens2 is bufs[1]
+        assert L(bufs[0]) == [[10, 15, -1], [23, 26, -1]] and L(bufs[1]) == [2, 0]
+
+
+def _combine_example(device):
+    topk = i32([[1, 0]] * 3 + [[0, -1]] * 5, device)
+    return (topk, i32([100, 103, 108], device), i32([10, 5], device), i32([6, 5], device), 4, 4, 2, 8, 2)
+
+
+COMBINE_EXPECTED = {0: [1, 0, 2, 3, 4, 5], 1: [1, 0, 3, 4, 5, 6], 2: [1, 0, 4, 5, 6, 7], 3: [10],
+                    6: [8, 10, 11, 12, 13], 7: [8, 11, 12, 13, 14]}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_example_combine(device, impl):
+    with impl_ctx(impl, device):
+        combined, lens = d.combine_topk_swa_indices(*_combine_example(device))
+    assert combined.shape == (8, 128) and lens.shape == (8,)
+    for t, row in COMBINE_EXPECTED.items():
+        assert L(lens[t]) == len(row)
+        assert L(combined[t, :len(row)]) == row
+        assert L(combined[t, len(row):]) == [-1] * (128 - len(row))        # §4 e
+    # the rows the table leaves out: t = 4 (pos 1) and t = 5 (pos 2) of request 1
+    assert L(combined[4, :3]) == [10, 11, -1] and L(lens[4]) == 2
+    assert L(combined[5, :4]) == [10, 11, 12, -1] and L(lens[5]) == 3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_example_combine_out_tails_and_uncovered(device, impl):
+    """out buffers with C' = 9 >= topk + window = 6 and 2 spare rows: tails -1 over the whole row,
+    rows past Tq untouched."""
+    with impl_ctx(impl, device):
+        out = (torch.full((10, 9), 77, dtype=torch.int32, device=device),
+               torch.full((10,), 77, dtype=torch.int32, device=device))
+        c, lens = d.combine_topk_swa_indices(*_combine_example(device), out=out)
+    assert c.shape == (8, 9) and c.data_ptr() == out[0].data_ptr()
+    assert L(out[0][0]) == [1, 0, 2, 3, 4, 5, -1, -1, -1]
+    assert L(out[0][3]) == [10, -1, -1, -1, -1, -1, -1, -1, -1]
+    assert L(out[0][8:]) == [[77] * 9] * 2 and L(out[1][8:]) == [77, 77]
+    assert L(lens) == [6, 6, 6, 1, 2, 3, 5, 5]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_example_combine_uncovered_rows(device, impl):
+    """Rows no request covers: fresh outputs hold -1 / 0, out rows stay untouched."""
+    topk = i32([[0]] * 4, device)
+    args = (topk, i32([50, 52], device), i32([2], device), i32([2], device), 4, 1, 1, 10, 3)
+    with impl_ctx(impl, device):
+        c, lens = d.combine_topk_swa_indices(*args)
+        out = (torch.full((4, 5), 77, dtype=torch.int32, device=device),
+               torch.full((4,), 77, dtype=torch.int32, device=device))
+        d.combine_topk_swa_indices(*args, out=out)
+    # pos 0: tk = 1 -> [0], sw 1 -> w = 0 - 0 -> 3; pos 1: tk 1 ([0]), sw 2 -> [3, 4]
+    assert L(c[0, :3]) == [0, 3, -1] and L(c[1, :4]) == [0, 3, 4, -1]
+    assert L(lens) == [2, 3, 0, 0] and L(c[2:]) == [[-1] * 128] * 2
+    assert L(out[0][2:]) == [[77] * 5] * 2 and L(out[1]) == [2, 3, 77, 77]
+    assert L(out[0][1]) == [0, 3, 4, -1, -1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_example_flashinfer_prefill_swa_only(device, impl):
+    with impl_ctx(impl, device):
+        sparse, lens = d.build_flashinfer_mixed_sparse_indices(
+            torch.empty(0, 8, dtype=torch.int32, device=device), None, None,
+            torch.empty(1, 0, dtype=torch.int32, device=device), i32([0, 1], device), i32([4], device),
+            i32([0], device), i32([[0]], device), 64, None, 64, 4, 1, 0)
+    assert L(sparse) == [[0, 1, 2, 3, -1, -1, -1, -1]] and L(lens) == [8]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_example_flashinfer_local_decode(device, impl):
+    with impl_ctx(impl, device):
+        sparse, lens = d.build_flashinfer_mixed_sparse_indices(
+            i32([[36, 37, 38, 39]], device), i32([[0, 1, -1]], device), None,
+            torch.empty(0, 3, dtype=torch.int32, device=device), i32([0, 1], device), i32([40], device),
+            i32([0], device), i32([[0]], device), 64, i32([[5]], device), 64, 4, 4, 3,
+            decode_compressed_indices_are_local=True, decode_is_valid_token=torch.tensor([True], device=device))
+    assert L(sparse) == [[36, 37, 38, 39, 320, 321, -1, -1]] and L(lens) == [6]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_example_flashinfer_remap(device, impl):
+    """bs 64, span 128: remap(70) = 134 (a global decode SWA slot)."""
+    with impl_ctx(impl, device):
+        sparse, lens = d.build_flashinfer_mixed_sparse_indices(
+            i32([[70, -1, 5, -7]], device), None, None, torch.empty(0, 0, dtype=torch.int32, device=device),
+            i32([0, 1], device), i32([9], device), i32([0], device), i32([[0]], device), 64, None, 64, 4, 4, 0,
+            swa_block_span=128)
+    assert L(sparse) == [[134, -1, 5, -1]] and L(lens) == [4]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_example_c128a(device, impl):
+    """ratio 128, bs 2, Kc 128, bt = [[7, 9]]: decodes at pos 300 and 511, prefill at pos 255."""
+    with impl_ctx(impl, device):
+        g = torch.full((2, 128), 55, dtype=torch.int32, device=device)
+        dl = torch.full((2,), 55, dtype=torch.int32, device=device)
+        pf = torch.full((1, 128), 55, dtype=torch.int32, device=device)
+        gd, lens, pr = d.build_c128a_topk_metadata(
+            torch.tensor([300, 511, 255], device=device), 128, 2, i32([0, 0], device), i32([[7, 9]], device), 2,
+            torch.tensor([4, 5, 6], device=device), g, dl, pf)
+    assert L(gd[0]) == [14, 15] + [-1] * 126 and L(gd[1]) == [14, 15, 18, 19] + [-1] * 124
+    assert L(lens) == [2, 4] and L(pr) == [[0, 1] + [-1] * 126]
+    assert gd.data_ptr() == g.data_ptr() and pr.data_ptr() == pf.data_ptr()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_example_fill_short(device, impl):
+    with impl_ctx(impl, device):
+        t = torch.full((2, 10), 9, dtype=torch.int32, device=device)
+        d.fill_short_context_topk_indices(t[:, 1:], torch.tensor([9], device=device), 8, 4)
+    assert L(t[0]) == [9, 0, 1, -1, -1, -1, -1, -1, -1, 9] and L(t[1]) == [9] * 10
+
+
+# === random batches: reference vs oracle, kernel vs reference ====================================
+BATCHES = ["decode", "prefill", "mixed", "padding", "qlen0", "empty"]
+
+
+def make_batch(kind, seed, window=8, ratio=4, int64_table=False):
+    """A batch of requests: query lengths, context lengths (incl. the query), decodes first."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "decode":
+        qlens = [1] * 5
+    elif kind == "prefill":
+        qlens = [7, 3, 11]
+    elif kind == "empty":
+        qlens = []
+    elif kind == "qlen0":
+        qlens = [1, 0, 6, 0, 5]
+    else:
+        qlens = [1, 1, 9, 4]
+    prefix = [int(x) for x in torch.randint(0, 40, (len(qlens),), generator=g)]
+    seq = [q + p for q, p in zip(qlens, prefix)]
+    qsl = [sum(qlens[:i]) for i in range(len(qlens) + 1)]
+    t2r = [r for r, q in enumerate(qlens) for _ in range(q)]
+    T = len(t2r)
+    bs = 4
+    width = 12
+    bt = torch.randint(0, 400, (max(len(qlens), 1), width), generator=g)
+    bt[torch.rand(bt.shape, generator=g) < 0.15] = -1
+    bt = bt.to(torch.int64 if int64_table else torch.int32)
+    valid = [bool(x) for x in (torch.rand(T, generator=g) > 0.2)]
+    slots = [int(x) for x in torch.randint(0, 100, (T,), generator=g)]
+    if kind == "padding" and T:
+        t2r[-1] = len(qlens) + 3        # a padded token: out-of-range request
+        valid[-1] = False
+        slots[-1] = -1
+    return dict(g=g, qlens=qlens, seq=seq, qsl=qsl, t2r=t2r, T=T, bs=bs, bt=bt, valid=valid, slots=slots,
+                window=window, ratio=ratio)
+
+
+def run_both(device, fn):
+    """fn() under the kernel (device) and the reference (CPU); returns (kernel, reference) results."""
+    if device.type == "cpu":
+        with d.cpu_implementation("triton"):
+            k = fn(device)
+    else:
+        k = fn(device)
+    with d.cpu_implementation("reference"):
+        r = fn(torch.device("cpu"))
+    return k, r
+
+
+def assert_same(k, r, what):
+    for a, b in zip(k, r):
+        assert_bitwise_equal(a.cpu(), b, what)
+
+
+@pytest.mark.parametrize("kind", BATCHES)
+@pytest.mark.parametrize("int64_table", [False, True])
+def test_random_global(device, kind, int64_table):
+    b = make_batch(kind, 1, int64_table=int64_table)
+    T, K = b["T"], 6
+    topk = torch.randint(-2, 12 * 4 + 6, (T, K), generator=b["g"], dtype=torch.int32)
+    t2r, valid = torch.tensor(b["t2r"] + [0, 0], dtype=torch.int32), torch.tensor(b["valid"] + [True, True])
+
+    def fn(dev):
+        return d.compute_global_topk_indices_and_lens(topk.to(dev), t2r.to(dev), b["bt"].to(dev), b["bs"],
+                                                      valid.to(dev))
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "global")
+    g, lens = o_global(topk.tolist(), b["t2r"], b["bt"].tolist(), b["bs"], b["valid"])
+    assert L(r[0]) == g and L(r[1]) == lens
+
+
+def combine_case(b, topk=3, chunk=None):
+    """Workspace geometry of SPEC's combine example: N compressed rows, then the gathered tail."""
+    window, ratio = b["window"], b["ratio"]
+    gl = [q + min(s - q, window - 1) for q, s in zip(b["qlens"], b["seq"])]
+    N = max([s // ratio for s in b["seq"]], default=0)
+    M = N + max(gl, default=0)
+    Tq = b["T"]
+    topk_idx = torch.randint(-1, N + 2, (Tq, topk + 1), generator=b["g"], dtype=torch.int32)
+    qsl = torch.tensor([q + 1000 for q in b["qsl"]], dtype=torch.int32)
+    return topk_idx, qsl, torch.tensor(b["seq"], dtype=torch.int32), torch.tensor(gl, dtype=torch.int32), \
+        window, ratio, topk, M, N
+
+
+@pytest.mark.parametrize("kind", BATCHES)
+def test_random_combine(device, kind):
+    b = make_batch(kind, 2)
+    args = combine_case(b)
+    Tq, C = args[0].shape[0], layout.combine_width(args[6], args[4])
+
+    def fn(dev):
+        a = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in args]
+        fresh = d.combine_topk_swa_indices(*a)
+        out = (torch.full((Tq + 2, 13), 5, dtype=torch.int32, device=dev),
+               torch.full((Tq + 2,), 5, dtype=torch.int32, device=dev))
+        d.combine_topk_swa_indices(*a, out=out)
+        return fresh + out
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "combine")
+    a = [x.tolist() if isinstance(x, torch.Tensor) else x for x in args]
+    rows, lens = o_combine(*a, width=C)
+    assert L(r[0]) == rows and L(r[1]) == lens
+    rows, lens = o_combine(*a, width=13, out_rows=[[5] * 13] * Tq, out_lens=[5] * Tq)
+    assert L(r[2][:Tq]) == rows and L(r[3][:Tq]) == lens and L(r[2][Tq:]) == [[5] * 13] * 2
+
+
+def flashinfer_case(b, local=True, topk=5, span=None, with_lens=False, wswa=10):
+    g = b["g"]
+    Td = sum(1 for q in b["qlens"] if q == 1) if b["qlens"] else 0
+    Td = min(Td, b["T"])
+    Tp = b["T"] - Td
+    dswa = torch.randint(-3, 3000, (Td, wswa), generator=g, dtype=torch.int32)
+    dcomp = torch.randint(-2, 40, (Td, 6), generator=g, dtype=torch.int32)
+    dlens = torch.randint(0, 7, (Td,), generator=g, dtype=torch.int32) if with_lens else None
+    ptopk = torch.randint(-2, 50, (Tp, 4), generator=g, dtype=torch.int32)
+    cbt = torch.randint(-1, 300, b["bt"].shape, generator=g).to(b["bt"].dtype)
+    dvalid = torch.tensor(b["valid"][:Td], dtype=torch.bool)
+    return (dswa, dcomp, dlens, ptopk, torch.tensor(b["qsl"], dtype=torch.int32), torch.tensor(b["seq"],
+            dtype=torch.int32), torch.tensor(b["t2r"], dtype=torch.int32), b["bt"], b["bs"], cbt, 2, b["window"],
+            b["ratio"], topk, local, dvalid if local else None, span, span and 2 * span)
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed", "padding", "qlen0", "prefill", "empty"])
+@pytest.mark.parametrize("variant", ["local", "global", "global_lens_span", "shared_table"])
+def test_random_flashinfer(device, kind, variant):
+    b = make_batch(kind, 3, int64_table=variant == "global")
+    args = flashinfer_case(b, local=variant in ("local", "shared_table"), span=8 if variant.endswith("span") else None,
+                           with_lens=variant == "global_lens_span")
+    if variant == "shared_table":
+        args = args[:9] + (None, b["bs"]) + args[11:]
+    WSWA_HINT[0] = args[0].shape[1]
+    rows = args[0].shape[0] + args[3].shape[0]
+
+    def fn(dev):
+        a = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in args)
+        fresh = d.build_flashinfer_mixed_sparse_indices(*a)
+        out = (torch.full((rows + 1, fresh[0].shape[1]), 5, dtype=torch.int32, device=dev),
+               torch.full((rows + 1,), 5, dtype=torch.int32, device=dev))
+        d.build_flashinfer_mixed_sparse_indices(*a, out=out)
+        return fresh + out
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "flashinfer")
+    a = [x.tolist() if isinstance(x, torch.Tensor) else x for x in args]
+    sparse, lens = o_flashinfer(*a)
+    assert L(r[0]) == sparse and L(r[1]) == lens
+    assert L(r[2][:rows]) == sparse and L(r[3][:rows]) == lens and L(r[3][rows:]) == [5]
+
+
+@pytest.mark.parametrize("kind", BATCHES)
+@pytest.mark.parametrize("mct", [8192, 5])
+def test_random_c128a(device, kind, mct):
+    b = make_batch(kind, 4, ratio=2)
+    T = b["T"]
+    Td = sum(1 for q in b["qlens"] if q == 1)
+    g = b["g"]
+    positions = torch.tensor([s - 1 for s, q in zip(b["seq"], b["qlens"]) if q == 1]
+                             + [int(x) for x in torch.randint(-3, 40, (T - Td,), generator=g)], dtype=torch.int64)
+    t2r = torch.tensor(b["t2r"][:Td] + [0], dtype=torch.int32)
+    slots = torch.tensor(b["slots"], dtype=torch.int64)
+    if Td:
+        slots[0] = -5
+
+    def fn(dev):
+        bufs = (torch.full((Td + 1, 9), 3, dtype=torch.int32, device=dev),
+                torch.full((Td + 1,), 3, dtype=torch.int32, device=dev),
+                torch.full((T - Td + 1, 11), 3, dtype=torch.int32, device=dev))
+        d.build_c128a_topk_metadata(positions.to(dev), 2, Td, t2r.to(dev), b["bt"].to(dev), b["bs"], slots.to(dev),
+                                    *bufs, mct)
+        return bufs
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "c128a")
+    expected = o_c128a(positions.tolist(), 2, Td, t2r.tolist(), b["bt"].tolist(), b["bs"], slots.tolist(),
+                       [[3] * 9] * (Td + 1), [3] * (Td + 1), [[3] * 11] * (T - Td + 1), mct)
+    assert [L(x) for x in r] == list(expected)
+
+
+@pytest.mark.parametrize("T", [0, 1, 6])
+def test_random_fill_short(device, T):
+    g = torch.Generator().manual_seed(T)
+    positions = torch.randint(-5, 40, (T,), generator=g)
+    base = torch.randint(-9, 9, (T + 2, 12), generator=g, dtype=torch.int32)
+
+    def fn(dev):
+        t = base.clone().to(dev)
+        d.fill_short_context_topk_indices(t[:, 2:], positions.to(dev), 9, 4)
+        return (t,)
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "fill")
+    expected = [row[:2] + o for row, o in zip(base.tolist(), o_fill([r[2:] for r in base.tolist()], positions.tolist(),
+                                                                    9, 4))]
+    assert L(r[0]) == expected
+
+
+# === hostile indices (§4 b) =======================================================================
+def test_hostile_global(device):
+    topk = i32([[-2**31, -2, 0, 5, 23, 24, 2**31 - 1, 3]] * 4)
+    t2r = i32([0, 1, -1, 7])
+    bt = torch.tensor([[2**40, -3, 4], [-2**62, 2**31, 1]], dtype=torch.int64)   # past INT32_MAX slots -> -1
+    valid = torch.tensor([True, True, True, True])
+
+    def fn(dev):
+        return d.compute_global_topk_indices_and_lens(topk.to(dev), t2r.to(dev), bt.to(dev), 8, valid.to(dev))
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "global hostile")
+    assert L(r[0]) == [[-1, -1, -1, -1, 39, -1, -1, -1], [-1, -1, -1, -1, 15, -1, -1, -1], [-1] * 8, [-1] * 8]
+    assert L(r[1]) == [1, 1, 0, 0]
+
+
+def test_hostile_combine(device):
+    """Local indices past N and negative, gather_lens > seq_lens, huge M (int32 overflow -> -1)."""
+    topk = i32([[5, -2**31, 2**31 - 1, 1]] * 6)
+    args = (topk, i32([7, 10, 13]), i32([3, 40]), i32([30, 3]), 4, 1, 3, 6, 2)
+
+    def fn(dev):
+        a = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in args]
+        return (d.combine_topk_swa_indices(*a) + d.combine_topk_swa_indices(*a[:7], 2**30, 2)
+                + d.combine_topk_swa_indices(*a[:7], 2**31 - 2, 2))
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "combine hostile")
+    a = [x.tolist() if isinstance(x, torch.Tensor) else x for x in args]
+    for i, M in enumerate((6, 2**30, 2**31 - 2)):
+        assert L(r[2 * i]) == o_combine(*a[:7], M, 2, width=128)[0]
+    # t = 0 (request 0, pos 0, gather range starts at 3 - 30 = -27): l = 5 >= N, then w = 27 (N + w < M?)
+    assert L(r[0][0][:3]) == [-1, -1, -1] and L(r[2][0][:3]) == [-1, 29, -1]
+    # t = 3 (request 1, pos 37): l = 5, -2**31, 2**31-1 all outside [0, N); window rows w = -3..0
+    assert L(r[2][3][:8]) == [-1] * 6 + [2**30 + 2, -1] and L(r[3][3]) == 7
+    assert L(r[4][3][:8]) == [-1] * 8      # M*b + N + w = 2**31 is past INT32_MAX: -1
+
+
+def test_hostile_flashinfer(device):
+    args = (i32([[-2**31, 2**31 - 1, 7, -1]]), i32([[-5, 99, 0]]), None, i32([[-2**31, 2**31 - 1, 0, 100]] * 2),
+            i32([0, 1, 3]), i32([9, 300]), i32([0, 1, 9]), torch.tensor([[-1, 2**35], [3, 4]]), 4, None, 4, 4, 1, 4,
+            True, None, 2**20, None)
+
+    def fn(dev):
+        a = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in args)
+        return d.build_flashinfer_mixed_sparse_indices(*a)
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "flashinfer hostile")
+    WSWA_HINT[0] = 4
+    assert L(r[0]) == o_flashinfer(*[x.tolist() if isinstance(x, torch.Tensor) else x for x in args])[0]
+    assert L(r[0][2]) == [-1] * 8 and L(r[1][2]) == 4    # request id 9 is out of range
+
+
+def test_hostile_c128a_width_limits(device):
+    """W = min(max_compressed_tokens, buffer width): nothing past the buffers' rows or columns."""
+    positions = torch.tensor([2**40, -7, 2**40, 3])
+    bt = i32([[1, -1, 2**30]])
+
+    def fn(dev):
+        base_g = torch.full((2, 8), 4, dtype=torch.int32, device=dev)
+        base_p = torch.full((2, 8), 4, dtype=torch.int32, device=dev)
+        bufs = (base_g[:, :5], torch.full((2,), 4, dtype=torch.int32, device=dev), base_p[:, :6])
+        d.build_c128a_topk_metadata(positions.to(dev), 1, 2, i32([0, 5], dev), bt.to(dev), 2,
+                                    torch.tensor([0, 0], device=dev), *bufs, 6)
+        return base_g, bufs[1], base_p
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "c128a hostile")
+    assert L(r[0]) == [[2, 3, -1, -1, -1, 4, 4, 4], [-1, -1, -1, -1, -1, 4, 4, 4]]
+    assert L(r[1]) == [5, 0]
+    assert L(r[2]) == [[0, 1, 2, 3, 4, 5, 4, 4], [0, 1, 2, 3, -1, -1, 4, 4]]
+
+
+# === R5 empty work ================================================================================
+def test_empty_batches_launch_nothing(device, monkeypatch):
+    from torch_dsv4_ops.kernels import _launch
+    calls = []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self, *t: calls.append(self))
+    e = torch.empty(0, 4, dtype=torch.int32, device=device)
+    g, lens = d.compute_global_topk_indices_and_lens(e, i32([], device), i32([[1]], device), 4,
+                                                     torch.empty(0, dtype=torch.bool, device=device))
+    assert g.shape == (0, 4) and lens.shape == (0,)
+    c, cl = d.combine_topk_swa_indices(i32([[1, 2]] * 3, device), i32([5], device), i32([], device), i32([], device),
+                                       4, 4, 2, 8, 2)
+    assert L(c) == [[-1] * 128] * 3 and L(cl) == [0] * 3
+    s, sl = d.build_flashinfer_mixed_sparse_indices(e, None, None, e, i32([0], device), i32([], device),
+                                                    i32([], device), i32([[0]], device), 64, None, 64, 4, 4, 3)
+    assert s.shape == (0, 8) and sl.shape == (0,)
+    gd, dl, pf = d.build_c128a_topk_metadata(torch.empty(0, dtype=torch.int64, device=device), 128, 0,
+                                             i32([], device), i32([[1]], device), 2, i32([], device), e, i32([], device),
+                                             e)
+    assert gd.shape == (0, 4) and pf.shape == (0, 4)
+    d.fill_short_context_topk_indices(e, torch.empty(0, dtype=torch.int64, device=device), 4, 4)
+    assert calls == []
+
+
+# === validation (R3) ================================================================================
+def _good_global():
+    return [i32([[0, 1]]), i32([0]), i32([[1]]), 4, torch.tensor([True])]
+
+
+def _good_combine():
+    return list(_combine_example("cpu"))
+
+
+def _good_fi():
+    return [i32([[1, 2, 3, 4]]), None, None, torch.empty(0, 2, dtype=torch.int32), i32([0, 1]), i32([5]), i32([0]),
+            i32([[0]]), 64, None, 64, 4, 4, 2]
+
+
+def _good_c128a():
+    return [torch.tensor([3, 4]), 128, 1, i32([0]), i32([[1]]), 2, torch.tensor([0, 0]),
+            torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+            torch.zeros(1, 8, dtype=torch.int32)]
+
+
+BAD = [
+    ("global", 0, torch.zeros(1, 2, dtype=torch.int64), "topk_indices"),
+    ("global", 1, torch.zeros(1, 1, dtype=torch.int32), "token_to_req_indices"),
+    ("global", 1, i32([]), "token_to_req_indices"),
+    ("global", 2, torch.zeros(2, dtype=torch.int32), "block_table"),
+    ("global", 2, torch.zeros(1, 1, dtype=torch.float32), "block_table"),
+    ("global", 3, 0, "block_size"),
+    ("global", 4, torch.tensor([1]), "is_valid_token"),
+    ("combine", 0, torch.zeros(8, 1, dtype=torch.int32), "topk"),
+    ("combine", 1, torch.zeros(3, dtype=torch.float32), "query_start_loc"),
+    ("combine", 2, i32([10]), "seq_lens"),
+    ("combine", 3, torch.zeros(2, 1, dtype=torch.int32), "gather_lens"),
+    ("combine", 4, 0, "window_size"),
+    ("combine", 5, 0, "compress_ratio"),
+    ("combine", 6, 3, "topk"),
+    ("combine", 6, -1, "topk"),
+    ("fi", 0, i32([[1, 2, 3]]), "decode_swa_indices"),
+    ("fi", 1, i32([[1], [2]]), "decode_compressed_indices"),
+    ("fi", 2, torch.zeros(1, dtype=torch.float32), "decode_compressed_topk_lens"),
+    ("fi", 3, torch.zeros(3, dtype=torch.int32), "prefill_topk_indices"),
+    ("fi", 6, i32([]), "token_to_req_indices"),
+    ("fi", 7, torch.zeros(1, dtype=torch.int32), "swa_block_table"),
+    ("fi", 8, 0, "swa_block_size"),
+    ("fi", 9, torch.zeros(1, 1, dtype=torch.float32), "compressed_block_table"),
+    ("fi", 10, -64, "compressed_block_size"),
+    ("fi", 11, 0, "window_size"),
+    ("fi", 12, 0, "compress_ratio"),
+    ("c128a", 0, torch.zeros(2, 1), "positions"),
+    ("c128a", 1, 0, "compress_ratio"),
+    ("c128a", 2, 3, "num_decode_tokens"),
+    ("c128a", 4, torch.zeros(1, dtype=torch.int32), "block_table"),
+    ("c128a", 5, 0, "block_size"),
+    ("c128a", 6, torch.zeros(0, dtype=torch.int64), "slot_mapping"),
+    ("c128a", 7, torch.zeros(1, 8, dtype=torch.int64), "global_decode_buffer"),
+    ("c128a", 8, torch.zeros(0, dtype=torch.int32), "decode_lens_buffer"),
+    ("c128a", 9, torch.zeros(0, 8, dtype=torch.int32), "prefill_buffer"),
+]
+FUNCS = {"global": (_good_global, d.compute_global_topk_indices_and_lens),
+         "combine": (_good_combine, d.combine_topk_swa_indices),
+         "fi": (_good_fi, d.build_flashinfer_mixed_sparse_indices),
+         "c128a": (_good_c128a, d.build_c128a_topk_metadata)}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op,pos,value,name", BAD, ids=[f"{b[0]}-{b[3]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input(impl, op, pos, value, name):
+    good, fn = FUNCS[op]
+    args = good()
+    fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])   # the good arguments pass
+    args[pos] = value
+    with impl_ctx(impl, torch.device("cpu")), pytest.raises(ValueError, match=name):
+        fn(*args)
+
+
+def test_bad_input_buffers():
+    args = _good_global()
+    with pytest.raises(ValueError, match=r"output_buffers\[0\]"):
+        d.compute_global_topk_indices_and_lens(*args, output_buffers=(torch.zeros(2, 2, dtype=torch.int32),
+                                                                      torch.zeros(1, dtype=torch.int32)))
+    with pytest.raises(ValueError, match=r"output_buffers\[1\]"):
+        d.compute_global_topk_indices_and_lens(*args, output_buffers=(torch.zeros(1, 2, dtype=torch.int32),
+                                                                      torch.zeros(2, dtype=torch.int32)))
+    c = _good_combine()     # topk 2 + window 4 = 6 columns needed
+    with pytest.raises(ValueError, match=r"out\[0\].*topk \+ window_size"):
+        d.combine_topk_swa_indices(*c, out=(torch.zeros(8, 5, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)))
+    with pytest.raises(ValueError, match=r"out\[1\]"):
+        d.combine_topk_swa_indices(*c, out=(torch.zeros(8, 6, dtype=torch.int32), torch.zeros(7, dtype=torch.int32)))
+    f = _good_fi()          # Wswa 4 + P 4
+    with pytest.raises(ValueError, match=r"out\[0\].*Wswa \+ P"):
+        d.build_flashinfer_mixed_sparse_indices(*f, out=(torch.zeros(1, 9, dtype=torch.int32),
+                                                         torch.zeros(1, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="decode_swa_indices"):        # Wswa < window_size
+        d.build_flashinfer_mixed_sparse_indices(*f[:11], 5, *f[12:])
+    with pytest.raises(ValueError, match="swa_block_span"):
+        d.build_flashinfer_mixed_sparse_indices(*f, swa_block_span=0)
+    with pytest.raises(ValueError, match="topk"):
+        d.fill_short_context_topk_indices(torch.zeros(2, 4, dtype=torch.int32), torch.tensor([1, 2]), 5, 4)
+    with pytest.raises(ValueError, match="compress_ratio"):
+        d.fill_short_context_topk_indices(torch.zeros(2, 4, dtype=torch.int32), torch.tensor([1, 2]), 4, 0)
+    with pytest.raises(ValueError, match="topk_indices"):
+        d.fill_short_context_topk_indices(torch.zeros(1, 4, dtype=torch.int32), torch.tensor([1, 2]), 4, 4)
+    with pytest.raises(ValueError, match="positions"):
+        d.fill_short_context_topk_indices(torch.zeros(2, 4, dtype=torch.int32), torch.tensor([1.0, 2.0]), 4, 4)
+
+
+# === opcheck (every op, functional and _out forms) ==================================================
+def opcheck_cases(device):
+    b = make_batch("mixed", 5)
+    gl_args = (torch.randint(-1, 40, (b["T"], 5), dtype=torch.int32), torch.tensor(b["t2r"], dtype=torch.int32),
+               b["bt"], b["bs"], torch.tensor(b["valid"]))
+    T = b["T"]
+    comb = combine_case(b)
+    fi = flashinfer_case(b)
+    rows = fi[0].shape[0] + fi[3].shape[0]
+    P = layout.flashinfer_compressed_width(fi[13], fi[1].shape[1])
+    Td = 2
+    c128 = (torch.arange(T, dtype=torch.int64) * 3, 2, Td, torch.tensor(b["t2r"][:Td], dtype=torch.int32), b["bt"],
+            b["bs"], torch.tensor(b["slots"]), torch.zeros(Td, 9, dtype=torch.int32), torch.zeros(Td, dtype=torch.int32),
+            torch.zeros(T - Td, 7, dtype=torch.int32), 6)
+    cases = {
+        "compute_global_topk_indices_and_lens": gl_args,
+        "compute_global_topk_indices_and_lens_out": gl_args + (torch.zeros(T, 5, dtype=torch.int32),
+                                                               torch.zeros(T, dtype=torch.int32)),
+        "combine_topk_swa_indices": comb,
+        "combine_topk_swa_indices_out": comb + (torch.zeros(T + 1, 12, dtype=torch.int32),
+                                                torch.zeros(T + 1, dtype=torch.int32)),
+        "build_flashinfer_mixed_sparse_indices": fi,
+        "build_flashinfer_mixed_sparse_indices_out": fi + (torch.zeros(rows, fi[0].shape[1] + P, dtype=torch.int32),
+                                                           torch.zeros(rows, dtype=torch.int32)),
+        "build_c128a_topk_metadata": c128,
+        "fill_short_context_topk_indices": (torch.zeros(T, 6, dtype=torch.int32), torch.arange(T) * 2, 5, 2),
+    }
+    return {k: tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in v) for k, v in cases.items()}
+
+
+MUTATED_OR_TABLE = {"compute_global_topk_indices_and_lens_out": (5, 6), "combine_topk_swa_indices_out": (9, 10),
+                    "build_flashinfer_mixed_sparse_indices_out": (18, 19), "build_c128a_topk_metadata": (7, 8, 9),
+                    "fill_short_context_topk_indices": (0,)}
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("name", list(opcheck_cases("cpu")))
+def test_opcheck(device, impl, name):
+    if impl == "reference" and device.type != "cpu":
+        pytest.skip("the reference is the CPU implementation")
+    ctx = d.cpu_implementation(impl) if device.type == "cpu" else contextlib.nullcontext()
+    args = opcheck_cases(device)[name]
+    keep = MUTATED_OR_TABLE.get(name, ())
+    with ctx:
+        run_opcheck(getattr(OPS, name).default, args, layouts=("contiguous", "permuted"),
+                    permute=lambda i, t: t.dim() >= 2 and i not in keep)
+
+
+# === torch.compile: three sizes, one graph ==========================================================
+def test_compile_no_recompile(device):
+    """fullgraph + dynamic over T in {7, 13, 17} (T, T - 2 never 0/1 nor equal to another dim: duck sizing): one graph
+    for all five ops, both forms where they exist."""
+    def step(topk, t2r, bt, valid, qsl, seq, gl, positions, gbuf, lbuf, pbuf, fill, g_out, l_out):
+        g, lens = d.compute_global_topk_indices_and_lens(topk, t2r, bt, 4, valid)
+        d.compute_global_topk_indices_and_lens(topk, t2r, bt, 4, valid, output_buffers=(g_out, l_out))
+        c, cl = d.combine_topk_swa_indices(topk, qsl, seq, gl, 4, 2, 5, 50, 20)
+        s, sl = d.build_flashinfer_mixed_sparse_indices(topk[:0], None, None, topk, qsl, seq, t2r, bt, 4, None, 4,
+                                                        4, 2, 5)
+        gd, dl, pf = d.build_c128a_topk_metadata(positions, 2, 2, t2r, bt, 4, positions, gbuf, lbuf, pbuf)
+        d.fill_short_context_topk_indices(fill, positions, 5, 2)
+        return g, lens, g_out, l_out, c, cl, s, sl, gd, dl, pf, fill
+
+    inputs = []
+    for n in (7, 13, 17):
+        g = torch.Generator().manual_seed(n)
+        args = (torch.randint(-1, 30, (n, 6), generator=g, dtype=torch.int32),
+                torch.randint(0, 2, (n,), generator=g, dtype=torch.int32),
+                torch.randint(-1, 99, (2, 9), generator=g, dtype=torch.int32), torch.rand(n, generator=g) > 0.3,
+                i32([0, 1, n]), i32([5, n + 9]), i32([4, n + 3]), torch.randint(0, 20, (n,), generator=g),
+                torch.zeros(2, 10, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                torch.zeros(n - 2, 10, dtype=torch.int32), torch.zeros(n, 6, dtype=torch.int32),
+                torch.zeros(n, 6, dtype=torch.int32), torch.zeros(n, dtype=torch.int32))
+        inputs.append(tuple(a.to(device) for a in args))
+    counted = device.type == "cuda"
+    ks = (kernels.global_topk_kernel, kernels.combine_kernel, kernels.flashinfer_kernel, kernels.c128a_kernel,
+          kernels.fill_short_kernel)
+    before = [triton_cache_entries(k) for k in ks] if counted else None
+    check_compile(step, inputs)
+    if counted:   # one Triton specialisation per kernel for all token counts
+        assert all(triton_cache_entries(k) - b <= 1 for k, b in zip(ks, before))
+
+
+# === GPU only =======================================================================================
+@pytest.mark.gpu
+def test_cuda_graph_replay_new_metadata():
+    """Decode metadata ops captured once, replayed with new values in the same buffers."""
+    dev = torch.device("cuda")
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randint(-1, 300, (16, 512), generator=g, dtype=torch.int32).to(dev),
+                torch.randint(0, 4, (16,), generator=g, dtype=torch.int32).to(dev),
+                torch.randint(-1, 1000, (4, 8), generator=g, dtype=torch.int32).to(dev),
+                (torch.rand(16, generator=g) > 0.2).to(dev),
+                torch.randint(0, 60000, (16,), generator=g).to(dev),
+                torch.zeros(16, 512, dtype=torch.int32, device=dev), torch.zeros(16, dtype=torch.int32, device=dev),
+                torch.zeros(16, 512, dtype=torch.int32, device=dev), torch.zeros(16, dtype=torch.int32, device=dev),
+                torch.zeros(1, 512, dtype=torch.int32, device=dev), torch.zeros(16, 512, dtype=torch.int32,
+                                                                                 device=dev))
+
+    def step(topk, t2r, bt, valid, positions, g_out, l_out, gbuf, lbuf, pbuf, fill):
+        d.compute_global_topk_indices_and_lens(topk, t2r, bt, 64, valid, output_buffers=(g_out, l_out))
+        d.build_c128a_topk_metadata(positions, 128, 16, t2r, bt, 2, positions, gbuf, lbuf, pbuf, 512)
+        d.fill_short_context_topk_indices(fill, positions, 512, 4)
+        d.combine_topk_swa_indices(topk, t2r[:1] * 0, t2r[:0], t2r[:0], 128, 4, 512, 700, 200,
+                                   out=(fill[:0, :], l_out[:0]))
+        return None
+
+    check_cuda_graph(step, inputs(0), [inputs(1), inputs(2)])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_combine_and_flashinfer():
+    dev = torch.device("cuda")
+    b = make_batch("mixed", 7, window=128)
+
+    def inputs(seed):
+        b2 = make_batch("mixed", seed, window=128)
+        comb = combine_case(b2, topk=64)
+        fi = flashinfer_case(b2, topk=64, wswa=128)
+        return tuple(x.to(dev) for x in comb[:4]) + tuple(x.to(dev) for x in (fi[0], fi[1], fi[3], fi[6], fi[7], fi[9],
+                                                                             fi[15]))
+
+    static = inputs(7)
+    T = static[0].shape[0]
+    rows = static[4].shape[0] + static[6].shape[0]
+    bufs = (torch.zeros(T, 256, dtype=torch.int32, device=dev), torch.zeros(T, dtype=torch.int32, device=dev),
+            torch.zeros(rows, 128 + 64, dtype=torch.int32, device=dev), torch.zeros(rows, dtype=torch.int32,
+                                                                                     device=dev))
+    M, N = 400, 100
+
+    def step(topk, qsl, seq, gl, dswa, dcomp, ptopk, t2r, sbt, cbt, dvalid, c_out, c_lens, f_out, f_lens):
+        d.combine_topk_swa_indices(topk, qsl, seq, gl, 128, 4, 64, M, N, out=(c_out, c_lens))
+        d.build_flashinfer_mixed_sparse_indices(dswa, dcomp, None, ptopk, qsl - qsl[:1], seq, t2r, sbt, 4, cbt, 2,
+                                                128, 4, 64, True, dvalid, out=(f_out, f_lens))
+
+    check_cuda_graph(step, static + bufs, [inputs(8) + tuple(torch.zeros_like(x) for x in bufs),
+                                           inputs(9) + tuple(torch.zeros_like(x) for x in bufs)])
+    del b
+
+
+@pytest.mark.gpu
+def test_sync_free():
+    args = opcheck_cases(torch.device("cuda"))
+    with sync_debug_error():
+        for name, a in args.items():
+            getattr(OPS, name).default(*a)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_benchmark_sized_exactness():
+    """T = 4096 mixed prefill, window 128, top-k 512, ratio 4; T = 16384 global top-k with K = 512."""
+    from benchmarks import bench_sparse_index as bench
+    for spec in bench.headline_specs():
+        w = bench.build(spec, torch.device("cuda"))
+        assert w.check() == "ok", spec
