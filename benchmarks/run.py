@@ -17,6 +17,8 @@ import torch
 # One line per family: name -> module with FAMILY, cases(quick, device)[, extras, targets].
 FAMILIES = {
     "cache": "benchmarks.bench_cache",
+    "k_cache": "benchmarks.bench_k_cache",
+    "sparse_index": "benchmarks.bench_sparse_index",
 }
 
 

@@ -11,8 +11,189 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/string_view.h>
+#include <optional>
+#include <tuple>
 
 namespace dsv4 {
+
+// dsv4::build_c128a_topk_metadata(Tensor positions, int compress_ratio, SymInt num_decode_tokens, Tensor token_to_req_indices, Tensor block_table, int block_size, Tensor slot_mapping, Tensor(a!) global_decode_buffer, Tensor(b!) decode_lens_buffer, Tensor(c!) prefill_buffer, int max_compressed_tokens=8192) -> ()
+inline void build_c128a_topk_metadata(
+    const at::Tensor& positions,
+    int64_t compress_ratio,
+    c10::SymInt num_decode_tokens,
+    const at::Tensor& token_to_req_indices,
+    const at::Tensor& block_table,
+    int64_t block_size,
+    const at::Tensor& slot_mapping,
+    at::Tensor& global_decode_buffer,
+    at::Tensor& decode_lens_buffer,
+    at::Tensor& prefill_buffer,
+    int64_t max_compressed_tokens /* = 8192 */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::build_c128a_topk_metadata", "")
+      .typed<void(const at::Tensor&, int64_t, c10::SymInt, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, int64_t)>();
+  return op.call(positions, compress_ratio, num_decode_tokens, token_to_req_indices, block_table, block_size, slot_mapping, global_decode_buffer, decode_lens_buffer, prefill_buffer, max_compressed_tokens);
+}
+
+// dsv4::build_flashinfer_mixed_sparse_indices(Tensor decode_swa_indices, Tensor? decode_compressed_indices, Tensor? decode_compressed_topk_lens, Tensor prefill_topk_indices, Tensor query_start_loc, Tensor seq_lens, Tensor token_to_req_indices, Tensor swa_block_table, int swa_block_size, Tensor? compressed_block_table, int compressed_block_size, int window_size, int compress_ratio, int topk, bool decode_compressed_indices_are_local=False, Tensor? decode_is_valid_token=None, int? swa_block_span=None, int? compressed_block_span=None) -> (Tensor, Tensor)
+inline std::tuple<at::Tensor, at::Tensor> build_flashinfer_mixed_sparse_indices(
+    const at::Tensor& decode_swa_indices,
+    const std::optional<at::Tensor>& decode_compressed_indices,
+    const std::optional<at::Tensor>& decode_compressed_topk_lens,
+    const at::Tensor& prefill_topk_indices,
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    const at::Tensor& token_to_req_indices,
+    const at::Tensor& swa_block_table,
+    int64_t swa_block_size,
+    const std::optional<at::Tensor>& compressed_block_table,
+    int64_t compressed_block_size,
+    int64_t window_size,
+    int64_t compress_ratio,
+    int64_t topk,
+    bool decode_compressed_indices_are_local /* = False */,
+    const std::optional<at::Tensor>& decode_is_valid_token /* = None */,
+    std::optional<int64_t> swa_block_span /* = None */,
+    std::optional<int64_t> compressed_block_span /* = None */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::build_flashinfer_mixed_sparse_indices", "")
+      .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t, bool, const std::optional<at::Tensor>&, std::optional<int64_t>, std::optional<int64_t>)>();
+  return op.call(decode_swa_indices, decode_compressed_indices, decode_compressed_topk_lens, prefill_topk_indices, query_start_loc, seq_lens, token_to_req_indices, swa_block_table, swa_block_size, compressed_block_table, compressed_block_size, window_size, compress_ratio, topk, decode_compressed_indices_are_local, decode_is_valid_token, swa_block_span, compressed_block_span);
+}
+
+// dsv4::build_flashinfer_mixed_sparse_indices_out(Tensor decode_swa_indices, Tensor? decode_compressed_indices, Tensor? decode_compressed_topk_lens, Tensor prefill_topk_indices, Tensor query_start_loc, Tensor seq_lens, Tensor token_to_req_indices, Tensor swa_block_table, int swa_block_size, Tensor? compressed_block_table, int compressed_block_size, int window_size, int compress_ratio, int topk, bool decode_compressed_indices_are_local, Tensor? decode_is_valid_token, int? swa_block_span, int? compressed_block_span, Tensor(a!) out_indices, Tensor(b!) out_lens) -> ()
+inline void build_flashinfer_mixed_sparse_indices_out(
+    const at::Tensor& decode_swa_indices,
+    const std::optional<at::Tensor>& decode_compressed_indices,
+    const std::optional<at::Tensor>& decode_compressed_topk_lens,
+    const at::Tensor& prefill_topk_indices,
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    const at::Tensor& token_to_req_indices,
+    const at::Tensor& swa_block_table,
+    int64_t swa_block_size,
+    const std::optional<at::Tensor>& compressed_block_table,
+    int64_t compressed_block_size,
+    int64_t window_size,
+    int64_t compress_ratio,
+    int64_t topk,
+    bool decode_compressed_indices_are_local,
+    const std::optional<at::Tensor>& decode_is_valid_token,
+    std::optional<int64_t> swa_block_span,
+    std::optional<int64_t> compressed_block_span,
+    at::Tensor& out_indices,
+    at::Tensor& out_lens) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::build_flashinfer_mixed_sparse_indices_out", "")
+      .typed<void(const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t, bool, const std::optional<at::Tensor>&, std::optional<int64_t>, std::optional<int64_t>, at::Tensor&, at::Tensor&)>();
+  return op.call(decode_swa_indices, decode_compressed_indices, decode_compressed_topk_lens, prefill_topk_indices, query_start_loc, seq_lens, token_to_req_indices, swa_block_table, swa_block_size, compressed_block_table, compressed_block_size, window_size, compress_ratio, topk, decode_compressed_indices_are_local, decode_is_valid_token, swa_block_span, compressed_block_span, out_indices, out_lens);
+}
+
+// dsv4::combine_topk_swa_indices(Tensor topk_indices, Tensor query_start_loc, Tensor seq_lens, Tensor gather_lens, int window_size, int compress_ratio, int topk, SymInt M, SymInt N) -> (Tensor, Tensor)
+inline std::tuple<at::Tensor, at::Tensor> combine_topk_swa_indices(
+    const at::Tensor& topk_indices,
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    const at::Tensor& gather_lens,
+    int64_t window_size,
+    int64_t compress_ratio,
+    int64_t topk,
+    c10::SymInt M,
+    c10::SymInt N) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::combine_topk_swa_indices", "")
+      .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, c10::SymInt, c10::SymInt)>();
+  return op.call(topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk, M, N);
+}
+
+// dsv4::combine_topk_swa_indices_out(Tensor topk_indices, Tensor query_start_loc, Tensor seq_lens, Tensor gather_lens, int window_size, int compress_ratio, int topk, SymInt M, SymInt N, Tensor(a!) out_indices, Tensor(b!) out_lens) -> ()
+inline void combine_topk_swa_indices_out(
+    const at::Tensor& topk_indices,
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    const at::Tensor& gather_lens,
+    int64_t window_size,
+    int64_t compress_ratio,
+    int64_t topk,
+    c10::SymInt M,
+    c10::SymInt N,
+    at::Tensor& out_indices,
+    at::Tensor& out_lens) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::combine_topk_swa_indices_out", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, c10::SymInt, c10::SymInt, at::Tensor&, at::Tensor&)>();
+  return op.call(topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk, M, N, out_indices, out_lens);
+}
+
+// dsv4::compute_global_topk_indices_and_lens(Tensor topk_indices, Tensor token_to_req_indices, Tensor block_table, int block_size, Tensor is_valid_token) -> (Tensor, Tensor)
+inline std::tuple<at::Tensor, at::Tensor> compute_global_topk_indices_and_lens(
+    const at::Tensor& topk_indices,
+    const at::Tensor& token_to_req_indices,
+    const at::Tensor& block_table,
+    int64_t block_size,
+    const at::Tensor& is_valid_token) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::compute_global_topk_indices_and_lens", "")
+      .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&)>();
+  return op.call(topk_indices, token_to_req_indices, block_table, block_size, is_valid_token);
+}
+
+// dsv4::compute_global_topk_indices_and_lens_out(Tensor topk_indices, Tensor token_to_req_indices, Tensor block_table, int block_size, Tensor is_valid_token, Tensor(a!) global_out, Tensor(b!) lens_out) -> ()
+inline void compute_global_topk_indices_and_lens_out(
+    const at::Tensor& topk_indices,
+    const at::Tensor& token_to_req_indices,
+    const at::Tensor& block_table,
+    int64_t block_size,
+    const at::Tensor& is_valid_token,
+    at::Tensor& global_out,
+    at::Tensor& lens_out) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::compute_global_topk_indices_and_lens_out", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, at::Tensor&, at::Tensor&)>();
+  return op.call(topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, global_out, lens_out);
+}
+
+// dsv4::dequantize_and_gather_k_cache(Tensor(a!) out, Tensor k_cache, Tensor seq_lens, Tensor? gather_lens, Tensor block_table, int block_size, int offset, bool use_fnuz=False) -> ()
+inline void dequantize_and_gather_k_cache(
+    at::Tensor& out,
+    const at::Tensor& k_cache,
+    const at::Tensor& seq_lens,
+    const std::optional<at::Tensor>& gather_lens,
+    const at::Tensor& block_table,
+    int64_t block_size,
+    int64_t offset,
+    bool use_fnuz /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::dequantize_and_gather_k_cache", "")
+      .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, int64_t, int64_t, bool)>();
+  return op.call(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset, use_fnuz);
+}
+
+// dsv4::fill_short_context_topk_indices(Tensor(a!) topk_indices, Tensor positions, int topk, int compress_ratio) -> ()
+inline void fill_short_context_topk_indices(
+    at::Tensor& topk_indices,
+    const at::Tensor& positions,
+    int64_t topk,
+    int64_t compress_ratio) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::fill_short_context_topk_indices", "")
+      .typed<void(at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  return op.call(topk_indices, positions, topk, compress_ratio);
+}
+
+// dsv4::quantize_and_insert_k_cache(Tensor k, Tensor(a!) k_cache, Tensor slot_mapping, int block_size=64, bool is_ue8m0=True, bool use_fnuz=False) -> ()
+inline void quantize_and_insert_k_cache(
+    const at::Tensor& k,
+    at::Tensor& k_cache,
+    const at::Tensor& slot_mapping,
+    int64_t block_size /* = 64 */,
+    bool is_ue8m0 /* = True */,
+    bool use_fnuz /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::quantize_and_insert_k_cache", "")
+      .typed<void(const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, bool, bool)>();
+  return op.call(k, k_cache, slot_mapping, block_size, is_ue8m0, use_fnuz);
+}
 
 // dsv4::reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()
 inline void reshape_and_cache_flash(

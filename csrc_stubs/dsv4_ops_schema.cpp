@@ -9,6 +9,16 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(dsv4, m) {
+  m.def("build_c128a_topk_metadata(Tensor positions, int compress_ratio, SymInt num_decode_tokens, Tensor token_to_req_indices, Tensor block_table, int block_size, Tensor slot_mapping, Tensor(a!) global_decode_buffer, Tensor(b!) decode_lens_buffer, Tensor(c!) prefill_buffer, int max_compressed_tokens=8192) -> ()");
+  m.def("build_flashinfer_mixed_sparse_indices(Tensor decode_swa_indices, Tensor? decode_compressed_indices, Tensor? decode_compressed_topk_lens, Tensor prefill_topk_indices, Tensor query_start_loc, Tensor seq_lens, Tensor token_to_req_indices, Tensor swa_block_table, int swa_block_size, Tensor? compressed_block_table, int compressed_block_size, int window_size, int compress_ratio, int topk, bool decode_compressed_indices_are_local=False, Tensor? decode_is_valid_token=None, int? swa_block_span=None, int? compressed_block_span=None) -> (Tensor, Tensor)");
+  m.def("build_flashinfer_mixed_sparse_indices_out(Tensor decode_swa_indices, Tensor? decode_compressed_indices, Tensor? decode_compressed_topk_lens, Tensor prefill_topk_indices, Tensor query_start_loc, Tensor seq_lens, Tensor token_to_req_indices, Tensor swa_block_table, int swa_block_size, Tensor? compressed_block_table, int compressed_block_size, int window_size, int compress_ratio, int topk, bool decode_compressed_indices_are_local, Tensor? decode_is_valid_token, int? swa_block_span, int? compressed_block_span, Tensor(a!) out_indices, Tensor(b!) out_lens) -> ()");
+  m.def("combine_topk_swa_indices(Tensor topk_indices, Tensor query_start_loc, Tensor seq_lens, Tensor gather_lens, int window_size, int compress_ratio, int topk, SymInt M, SymInt N) -> (Tensor, Tensor)");
+  m.def("combine_topk_swa_indices_out(Tensor topk_indices, Tensor query_start_loc, Tensor seq_lens, Tensor gather_lens, int window_size, int compress_ratio, int topk, SymInt M, SymInt N, Tensor(a!) out_indices, Tensor(b!) out_lens) -> ()");
+  m.def("compute_global_topk_indices_and_lens(Tensor topk_indices, Tensor token_to_req_indices, Tensor block_table, int block_size, Tensor is_valid_token) -> (Tensor, Tensor)");
+  m.def("compute_global_topk_indices_and_lens_out(Tensor topk_indices, Tensor token_to_req_indices, Tensor block_table, int block_size, Tensor is_valid_token, Tensor(a!) global_out, Tensor(b!) lens_out) -> ()");
+  m.def("dequantize_and_gather_k_cache(Tensor(a!) out, Tensor k_cache, Tensor seq_lens, Tensor? gather_lens, Tensor block_table, int block_size, int offset, bool use_fnuz=False) -> ()");
+  m.def("fill_short_context_topk_indices(Tensor(a!) topk_indices, Tensor positions, int topk, int compress_ratio) -> ()");
+  m.def("quantize_and_insert_k_cache(Tensor k, Tensor(a!) k_cache, Tensor slot_mapping, int block_size=64, bool is_ue8m0=True, bool use_fnuz=False) -> ()");
   m.def("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
   m.def("reshape_and_cache_flash_diffkv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
   m.def("reshape_and_cache_flash_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale, int kv_dim=0) -> ()");

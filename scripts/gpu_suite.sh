@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine: `bash scripts/gpu_suite.sh` from the repo root, with $OUT set.
-# Writes (8 files): $OUT/env.txt, $OUT/gpu_tests.log, $OUT/bench.log, $OUT/memcheck.log,
-# $OUT/selfcheck.txt, $OUT/bench/bench_cache.{json,png}, $OUT/bench/probe_launch.txt.
+# Writes: $OUT/env.txt, $OUT/gpu_tests.log, $OUT/bench.log, $OUT/memcheck.log, $OUT/selfcheck.txt,
+# $OUT/bench/bench_<family>.{json,png} for every family, $OUT/bench/probe_launch.txt.
 # Runs the benchmarks even when tests fail; exits with pytest's status.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -34,13 +34,13 @@ timeout -k 10 300 python3 -m pytest -q tests -p no:cacheprovider -m "not slow" \
 test_rc=$?
 
 echo "==== benchmarks ===="
-timeout -k 10 240 python3 -m benchmarks.run --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
+timeout -k 10 360 python3 -m benchmarks.run --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
 
 echo "==== hostile indices under compute-sanitizer memcheck ===="
 # No caching allocator: every tensor is its own allocation, so any out-of-bounds access is reported.
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
-  python3 -m pytest -q -p no:cacheprovider tests/test_cache.py \
+  python3 -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_k_cache.py tests/test_sparse_index.py \
   -k "hostile or layout_variants or diffkv_exact or worked_example or stream_order or (auto_exact_whole_cache and nhd) or strides_differ or head_size_zero or bad_scale_tensors or kv_equals" \
   > "$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$? ($(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log"))"

@@ -67,10 +67,15 @@ def matrix(tmp_path_factory):
     return data
 
 
-def _by_target(matrix) -> dict[str, list[dict]]:
+CACHE_MODULE = "torch_dsv4_ops.kernels.cache"
+
+
+def _by_target(matrix, module: str | None = None) -> dict[str, list[dict]]:
+    """Results per target, of every kernel module or of `module` only."""
     out = {}
     for r in matrix["results"]:
-        out.setdefault(r["target"], []).append(r)
+        if module is None or r["module"] == module:
+            out.setdefault(r["target"], []).append(r)
     return out
 
 
@@ -86,8 +91,16 @@ def _hw_conversions(result) -> set[tuple[str, str]]:
 
 
 def _expected_hw(result) -> set[tuple[str, str]]:
+    """The hardware fp8 conversions a result must contain: none where the software codec (SW*) or
+    no fp8 at all is used; k_cache insert encodes and gather decodes its format FMT."""
     c = result["constexprs"]
     out = set()
+    if result["module"] == "torch_dsv4_ops.kernels.k_cache":
+        if not c["SW"]:
+            out.add(("encode" if result["name"].startswith("k_cache_insert") else "decode", FAMILY[c["FMT"]]))
+        return out
+    if result["module"] != CACHE_MODULE:
+        return out
     if c["OUT_KIND"] == FP8 and not c["SW_OUT"]:
         out.add(("encode", FAMILY[c["OUT_FP8"]]))
     if c["IN_FP8"] and c["OUT_KIND"] != COPY and not c["SW_IN"]:
@@ -110,7 +123,7 @@ def test_every_case_compiles_on_every_target(matrix):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_matrix_covers_every_codec_dtype_and_layout(matrix, target):
-    results = _by_target(matrix)[target]
+    results = _by_target(matrix, CACHE_MODULE)[target]
     codecs = {tuple(r["constexprs"][k] for k in ("IN_FP8", "OUT_KIND", "OUT_FP8", "SCALED")) for r in results}
     assert codecs == EXPECTED_CODECS
     assert len(EXPECTED_CODECS) == 21
@@ -132,6 +145,12 @@ def test_software_codec_exactly_where_platform_is_not_native(matrix, target):
     assert {f.name for f in layout.FP8_FORMATS if platform.native_fp8(tgt, f)} == EXPECTED_NATIVE[target]
     for r in _by_target(matrix)[target]:
         c = r["constexprs"]
+        if r["module"] != CACHE_MODULE:
+            if "FMT" in c:   # k_cache: the one fp8 format of the op
+                assert c["SW"] == (FMT[c["FMT"]].name not in EXPECTED_NATIVE[target]), r["name"]
+            if r["ok"]:
+                assert _hw_conversions(r) == _expected_hw(r), (r["name"], r["fp8_instructions"])
+            continue
         if c["OUT_KIND"] == FP8:
             assert c["SW_OUT"] == (FMT[c["OUT_FP8"]].name not in EXPECTED_NATIVE[target]), r["name"]
         if c["IN_FP8"] and c["OUT_KIND"] != COPY:
@@ -142,7 +161,7 @@ def test_software_codec_exactly_where_platform_is_not_native(matrix, target):
 
 
 def test_both_fp8_paths_are_in_the_matrix(matrix):
-    by_target = _by_target(matrix)
+    by_target = _by_target(matrix, CACHE_MODULE)
 
     def paths(target, flag, code_key):
         return {(r["constexprs"][code_key], r["constexprs"][flag]) for r in by_target[target]

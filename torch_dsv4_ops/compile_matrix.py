@@ -38,6 +38,8 @@ from .kernels.matrix import KernelCase, gpu_target
 # Modules with `matrix_cases(target)`: adding a kernel module to the matrix is one line here.
 MATRIX_MODULES = (
     "torch_dsv4_ops.kernels.cache",
+    "torch_dsv4_ops.kernels.k_cache",
+    "torch_dsv4_ops.kernels.sparse_index",
 )
 
 _FP8_INSTRUCTION = {
