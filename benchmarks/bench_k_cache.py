@@ -103,7 +103,8 @@ def build_gather(s: Spec, device) -> harness.Workload:
     num_blocks = s.R * blocks_per_req * nsets
     cache = _cache(num_blocks, device)
     filler = (torch.randn(num_blocks * BS, layout.HEAD_DIM, device=device) * 3).to(torch.bfloat16)
-    torch_dsv4_ops.quantize_and_insert_k_cache(filler, cache, torch.arange(num_blocks * BS, device=device), BS)
+    torch_dsv4_ops.quantize_and_insert_k_cache(filler, cache, torch.arange(num_blocks * BS, device=device), BS,
+                                               True, s.use_fnuz)   # the cache holds what the gather decodes
     del filler
     perm = torch.randperm(num_blocks, device=device)
     tables = [perm[i * s.R * blocks_per_req:(i + 1) * s.R * blocks_per_req].view(s.R, blocks_per_req).int()

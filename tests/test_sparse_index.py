@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_dsv4_ops as d
-from torch_dsv4_ops import layout
+from torch_dsv4_ops import layout, platform
 from torch_dsv4_ops.kernels import sparse_index as kernels
 from torch_dsv4_ops.testing import (assert_bitwise_equal, check_compile, check_cuda_graph, run_opcheck,
                                     sync_debug_error, triton_cache_entries)
@@ -25,6 +25,8 @@ def impl_ctx(impl, device):
         if device.type != "cpu":
             pytest.skip("the reference is the CPU implementation")
         return d.cpu_implementation("reference")
+    if device.type == "cpu" and not platform.INTERPRET:
+        pytest.skip("CPU tensors run the Triton kernel only under the interpreter")
     return d.cpu_implementation("triton") if device.type == "cpu" else contextlib.nullcontext()
 
 
@@ -786,8 +788,6 @@ def test_cuda_graph_replay_new_metadata():
         d.compute_global_topk_indices_and_lens(topk, t2r, bt, 64, valid, output_buffers=(g_out, l_out))
         d.build_c128a_topk_metadata(positions, 128, 16, t2r, bt, 2, positions, gbuf, lbuf, pbuf, 512)
         d.fill_short_context_topk_indices(fill, positions, 512, 4)
-        d.combine_topk_swa_indices(topk, t2r[:1] * 0, t2r[:0], t2r[:0], 128, 4, 512, 700, 200,
-                                   out=(fill[:0, :], l_out[:0]))
         return None
 
     check_cuda_graph(step, inputs(0), [inputs(1), inputs(2)])

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import layout, platform
-from ..reference.k_cache import FP32_MAN_BITS, fp8_format, ue8m0_constants
+from ..reference.k_cache import FP32_MAN_BITS, fp8_format, nan_code, ue8m0_constants
 from ._launch import FastLauncher
 from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
 
@@ -62,7 +62,7 @@ def quantize_insert_kernel(
     BS: tl.constexpr, NOPE: tl.constexpr, ROPE_BYTES: tl.constexpr, QB: tl.constexpr, NQ: tl.constexpr,
     BLOCK_Q: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, FMT: tl.constexpr,
     SW: tl.constexpr, FP8_MAX: tl.constexpr, E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr,
-    FLOOR_BITS: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
+    FLOOR_BITS: tl.constexpr, BIAS: tl.constexpr, NAN_CODE: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     if PDL:
@@ -90,6 +90,7 @@ def quantize_insert_kernel(
     y = x * inv[:, None]                                                # exact
     y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))   # NaN passes through
     codes = fp8_encode(y, FMT, SW)
+    codes = tl.where(y != y, NAN_CODE, codes)                          # one NaN code, any sign (docs §6.1)
     byte = tl.minimum(tl.maximum(e + BIAS, 0), 255)
     byte = tl.where(q_ok, byte, 0).to(tl.uint8)                         # byte 7 = 0
     valid = (slot >= 0) & (slot < num_slots)                            # every other slot: skip
@@ -109,7 +110,8 @@ def _codec(use_fnuz: bool, target: platform.Target) -> dict:
     fmt = fp8_format(use_fnuz)
     e_shift, mant_limit = ue8m0_bit_rule(fmt)
     return dict(FMT=fmt.code, SW=not platform.native_fp8(target, fmt), FP8_MAX=fmt.ue8m0_max, E_SHIFT=e_shift,
-                MANT_LIMIT=mant_limit, FLOOR_BITS=fp32_bits(layout.UE8M0_FLOOR), BIAS=layout.UE8M0_BIAS)
+                MANT_LIMIT=mant_limit, FLOOR_BITS=fp32_bits(layout.UE8M0_FLOOR), BIAS=layout.UE8M0_BIAS,
+                NAN_CODE=nan_code(fmt))
 
 
 def _layout_constexprs(block_size: int) -> dict:

@@ -72,7 +72,10 @@ def quantize_rows(k: torch.Tensor, fmt: layout.Fp8Format) -> tuple[torch.Tensor,
     x = k[:, :layout.NOPE_DIM].float().reshape(n, layout.NUM_QUANT_BLOCKS, layout.QUANT_BLOCK)
     e = ue8m0_exponent(block_amax(x), fmt)
     y = x * pow2_fp32(-e)[..., None]                                   # exact: a power of two
-    q = y.clamp(-fmt.ue8m0_max, fmt.ue8m0_max).to(fmt.dtype).view(torch.uint8).reshape(n, layout.NOPE_DIM)
+    q = y.clamp(-fmt.ue8m0_max, fmt.ue8m0_max).to(fmt.dtype).view(torch.uint8)
+    # NaN is stored as the format's positive NaN code whatever its sign: hardware conversions drop
+    # the sign of a NaN, so this is the one result every platform gives (docs/ops/k_cache.md §6.1)
+    q = torch.where(y.isnan(), torch.tensor(nan_code(fmt), dtype=torch.uint8), q).reshape(n, layout.NOPE_DIM)
     rope = k[:, layout.NOPE_DIM:].contiguous().view(torch.uint8).reshape(n, 2 * layout.ROPE_DIM)
     byte = (e + layout.UE8M0_BIAS).clamp(0, 255).to(torch.uint8)
     pad = torch.zeros(n, layout.SCALE_BYTES - layout.NUM_QUANT_BLOCKS, dtype=torch.uint8, device=k.device)
@@ -103,6 +106,11 @@ def _token_index(block_size: int, off: torch.Tensor):
     scale = block_size * layout.TOKEN_DATA_BYTES + off[:, None] * layout.SCALE_BYTES \
         + torch.arange(layout.SCALE_BYTES, device=off.device)
     return data, scale
+
+
+def nan_code(fmt: layout.Fp8Format) -> int:
+    """The code a NaN element is stored as: the format's NaN with the sign bit clear."""
+    return 0x80 if fmt is layout.E4M3FNUZ else 0x7F
 
 
 def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=64, is_ue8m0=True, use_fnuz=False) -> None:
