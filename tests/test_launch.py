@@ -258,7 +258,7 @@ def test_direct_public_and_hooked_launches_write_the_same_bytes(monkeypatch, nam
     for f in launchers:
         monkeypatch.setattr(f, "_policy", (False, None))
     for module, cache in _plan_caches():
-        monkeypatch.setattr(module, cache, {})
+        monkeypatch.setattr(module, cache, type(getattr(module, cache))())
     public = fresh()
     card.op(*public)
     torch.cuda.synchronize()

@@ -14,6 +14,7 @@ from ..kernels import cache as kernels
 from ..library import register_op
 from ..reference import cache as reference
 from ._checks import check_int32_extent, check_scale, check_shape, check_tensor
+from ._plans import MISSING, PlanCache
 
 INPUT_DTYPES = layout.FLOAT_CACHE_DTYPES + tuple(f.dtype for f in layout.FP8_FORMATS)
 SLOT_DTYPES = (torch.int64, torch.int32)
@@ -102,17 +103,8 @@ def _plan(*, key, value, kc, vc, slot_mapping, fmt, block_size, num_slots, kgeo,
 # Plans by argument signature. A signature holds every shape, stride, dtype and device the
 # validator looks at, so validation and planning run once per signature and a call with a known
 # signature only looks its plan up and launches (the eager host-time path).
-_FLASH_PLANS: dict = {}
-_DIFFKV_PLANS: dict = {}
-_MAX_PLANS = 4096
-_MISSING = object()
-
-
-def _remember(plans: dict, sig, plan):
-    if len(plans) >= _MAX_PLANS:
-        plans.clear()
-    plans[sig] = plan
-    return plan
+_FLASH_PLANS = PlanCache()
+_DIFFKV_PLANS = PlanCache()
 
 
 def _flash_kernel(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
@@ -122,8 +114,8 @@ def _flash_kernel(key, value, key_cache, value_cache, slot_mapping, kv_cache_dty
            k_scale.dtype, v_scale.dtype, key.get_device(), value.get_device(), key_cache.get_device(),
            value_cache.get_device(), slot_mapping.get_device(), k_scale.get_device(), v_scale.get_device(),
            kv_cache_dtype)
-    launch = _FLASH_PLANS.get(sig, _MISSING)
-    if launch is _MISSING:
+    launch = _FLASH_PLANS.get(sig, MISSING)
+    if launch is MISSING:
         e4m3 = platform.platform_e4m3(platform.target_for(key_cache.device))
         fmt, bs, num_slots = check_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                                          k_scale, v_scale, e4m3)
@@ -131,7 +123,7 @@ def _flash_kernel(key, value, key_cache, value_cache, slot_mapping, kv_cache_dty
             kgeo, vgeo = kernels.nhd_geometry(key_cache), kernels.nhd_geometry(value_cache)
         else:
             kgeo, vgeo = kernels.head_major_k_geometry(key_cache), kernels.head_major_v_geometry(value_cache)
-        launch = _remember(_FLASH_PLANS, sig, _plan(
+        launch = _FLASH_PLANS.remember(sig, _plan(
             key=key, value=value, kc=key_cache, vc=value_cache, slot_mapping=slot_mapping, fmt=fmt, block_size=bs,
             num_slots=num_slots, kgeo=kgeo, vgeo=vgeo, vc_start=0))
     if launch is not None:
@@ -154,13 +146,13 @@ def _diffkv_kernel(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, 
            kv_cache.dtype, slot_mapping.dtype, k_scale.dtype, v_scale.dtype, key.get_device(), value.get_device(),
            kv_cache.get_device(), slot_mapping.get_device(), k_scale.get_device(), v_scale.get_device(),
            kv_cache_dtype)
-    launch = _DIFFKV_PLANS.get(sig, _MISSING)
-    if launch is _MISSING:
+    launch = _DIFFKV_PLANS.get(sig, MISSING)
+    if launch is MISSING:
         e4m3 = platform.platform_e4m3(platform.target_for(kv_cache.device))
         fmt, bs, num_slots = check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
                                                 v_scale, e4m3)
         geo = kernels.nhd_geometry(kv_cache)
-        launch = _remember(_DIFFKV_PLANS, sig, _plan(
+        launch = _DIFFKV_PLANS.remember(sig, _plan(
             key=key, value=value, kc=kv_cache, vc=kv_cache, slot_mapping=slot_mapping, fmt=fmt, block_size=bs,
             num_slots=num_slots, kgeo=geo, vgeo=geo, vc_start=kernels.diffkv_v_start(kv_cache, key.shape[2])))
     if launch is not None:

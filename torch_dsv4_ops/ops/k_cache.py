@@ -13,6 +13,7 @@ from ..kernels import k_cache as kernels
 from ..library import register_op
 from ..reference import k_cache as reference
 from ._checks import check_tensor
+from ._plans import MISSING, PlanCache
 
 SLOT_DTYPES = (torch.int64, torch.int32)
 TABLE_DTYPES = (torch.int32, torch.int64)
@@ -102,17 +103,8 @@ def check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, o
 
 
 # --- kernels: plans keyed by argument signature (see ops/cache.py) -------------------------------
-_INSERT_PLANS: dict = {}
-_GATHER_PLANS: dict = {}
-_MAX_PLANS = 4096
-_MISSING = object()
-
-
-def _remember(plans: dict, sig, plan):
-    if len(plans) >= _MAX_PLANS:
-        plans.clear()
-    plans[sig] = plan
-    return plan
+_INSERT_PLANS = PlanCache()
+_GATHER_PLANS = PlanCache()
 
 
 def _insert_plan(k, k_cache, slot_mapping, block_size, is_ue8m0, use_fnuz):
@@ -131,9 +123,9 @@ def _insert_kernel(k, k_cache, slot_mapping, block_size=64, is_ue8m0=True, use_f
     sig = (k.shape, k.stride(), k_cache.shape, k_cache.stride(), slot_mapping.shape, slot_mapping.stride(), k.dtype,
            k_cache.dtype, slot_mapping.dtype, k.get_device(), k_cache.get_device(), slot_mapping.get_device(),
            block_size, is_ue8m0, use_fnuz)
-    launch = _INSERT_PLANS.get(sig, _MISSING)
-    if launch is _MISSING:
-        launch = _remember(_INSERT_PLANS, sig, _insert_plan(k, k_cache, slot_mapping, block_size, is_ue8m0,
+    launch = _INSERT_PLANS.get(sig, MISSING)
+    if launch is MISSING:
+        launch = _INSERT_PLANS.remember(sig, _insert_plan(k, k_cache, slot_mapping, block_size, is_ue8m0,
                                                             use_fnuz))
     if launch is not None:
         launch(k, k_cache, slot_mapping)
@@ -171,9 +163,9 @@ def _gather_kernel(out, k_cache, seq_lens, gather_lens, block_table, block_size,
            out.get_device(), k_cache.get_device(), seq_lens.get_device(), block_table.get_device(),
            (gather_lens.shape, gather_lens.stride(), gather_lens.dtype, gather_lens.get_device())
            if has_gather else None, block_size, offset, use_fnuz)
-    launch = _GATHER_PLANS.get(sig, _MISSING)
-    if launch is _MISSING:
-        launch = _remember(_GATHER_PLANS, sig, _gather_plan(out, k_cache, seq_lens, gather_lens, block_table,
+    launch = _GATHER_PLANS.get(sig, MISSING)
+    if launch is MISSING:
+        launch = _GATHER_PLANS.remember(sig, _gather_plan(out, k_cache, seq_lens, gather_lens, block_table,
                                                             block_size, offset, use_fnuz))
     if launch is not None:
         launch(out, k_cache, seq_lens, gather_lens if has_gather else seq_lens, block_table)

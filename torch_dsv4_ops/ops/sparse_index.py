@@ -14,6 +14,7 @@ from ..kernels import sparse_index as kernels
 from ..library import register_op
 from ..reference import sparse_index as reference
 from ._checks import check_tensor
+from ._plans import MISSING, PlanCache
 
 INT_DTYPES = (torch.int32, torch.int64)
 I32 = (torch.int32,)
@@ -195,9 +196,7 @@ def check_fill(topk_indices, positions, topk, compress_ratio) -> int:
 
 
 # --- plans ---------------------------------------------------------------------------------------
-_PLANS: dict = {}
-_MAX_PLANS = 4096
-_MISSING = object()
+_PLANS = PlanCache()
 
 
 def _sig(name: str, args) -> tuple:
@@ -211,13 +210,6 @@ def _sig(name: str, args) -> tuple:
     return tuple(out)
 
 
-def _remember(sig, plan):
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[sig] = plan
-    return plan
-
-
 def _bind(launcher, rows: int, tensors, ints, meta, device):
     return launcher.bind((rows,), tuple(t.dtype for t in tensors), tuple(ints), kernels.launch_options(meta), device)
 
@@ -225,8 +217,8 @@ def _bind(launcher, rows: int, tensors, ints, meta, device):
 # --- compute_global_topk_indices_and_lens --------------------------------------------------------
 def _global_launch(topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, g, lens):
     sig = _sig("global", (topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, g, lens))
-    launch = _PLANS.get(sig, _MISSING)
-    if launch is _MISSING:
+    launch = _PLANS.get(sig, MISSING)
+    if launch is MISSING:
         T, K = check_global(topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, g, lens)
         launch = None
         if T > 0:
@@ -235,7 +227,7 @@ def _global_launch(topk_indices, token_to_req_indices, block_table, block_size, 
             launch = _bind(kernels.GLOBAL_LAUNCHER, T, tensors,
                            kernels.global_runtime_args(*tensors), kernels.global_constexprs(block_size, K, target),
                            g.device)
-        _remember(sig, launch)
+        _PLANS.remember(sig, launch)
     if launch is not None:
         launch(topk_indices, token_to_req_indices, block_table, is_valid_token, g, lens)
 
@@ -305,8 +297,8 @@ def _combine_launch(topk_indices, query_start_loc, seq_lens, gather_lens, window
                     out, lens, fresh: bool):
     sig = _sig("combine", (topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk,
                            M, N, out, lens, fresh))
-    launch = _PLANS.get(sig, _MISSING)
-    if launch is _MISSING:
+    launch = _PLANS.get(sig, MISSING)
+    if launch is MISSING:
         Tq, Rc, width = check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
                                       compress_ratio, topk, M, N, out, lens)
         launch = None
@@ -317,7 +309,7 @@ def _combine_launch(topk_indices, query_start_loc, seq_lens, gather_lens, window
                            kernels.combine_runtime_args(Rc, M, N, topk_indices, query_start_loc, seq_lens,
                                                         gather_lens, out, lens),
                            kernels.combine_constexprs(window_size, compress_ratio, topk, fresh, target), out.device)
-        _remember(sig, launch)
+        _PLANS.remember(sig, launch)
     if launch is not None:
         launch(topk_indices, query_start_loc, seq_lens, gather_lens, out, lens)
 
@@ -409,8 +401,8 @@ def _flashinfer_launch(args, out, lens):
     (dswa, dcomp, dlens, ptopk, qsl, seq, t2r, sbt, sbs, cbt, cbs, window, ratio, topk, local, dvalid, sspan,
      cspan) = args
     sig = _sig("flashinfer", args + (out, lens))
-    launch = _PLANS.get(sig, _MISSING)
-    if launch is _MISSING:
+    launch = _PLANS.get(sig, MISSING)
+    if launch is MISSING:
         Td, Tp, Wswa, Kd, Kp, P = check_flashinfer(*args, out, lens)
         launch = None
         if Td + Tp > 0:
@@ -428,7 +420,7 @@ def _flashinfer_launch(args, out, lens):
                                                  dlens is not None, dvalid is not None, Wswa, P, target)
             launch = _bind(kernels.FLASHINFER_LAUNCHER, Td + Tp, tensors, ints, meta, out.device)
             launch = (launch, dcomp is None, dlens is None, cbt is None, dvalid is None)
-        _remember(sig, launch)
+        _PLANS.remember(sig, launch)
     if launch is not None:
         run, no_dcomp, no_dlens, no_cbt, no_dvalid = launch
         run(dswa, dswa if no_dcomp else dcomp, lens if no_dlens else dlens, ptopk, qsl, seq, t2r, sbt,
@@ -563,8 +555,8 @@ def _c128a_kernel(positions, compress_ratio, num_decode_tokens, token_to_req_ind
     args = (positions, compress_ratio, num_decode_tokens, token_to_req_indices, block_table, block_size, slot_mapping,
             global_decode_buffer, decode_lens_buffer, prefill_buffer, max_compressed_tokens)
     sig = _sig("c128a", args)
-    launch = _PLANS.get(sig, _MISSING)
-    if launch is _MISSING:
+    launch = _PLANS.get(sig, MISSING)
+    if launch is MISSING:
         T, Td, Wd, Wp = check_c128a(*args)
         launch = None
         if T > 0:
@@ -574,7 +566,7 @@ def _c128a_kernel(positions, compress_ratio, num_decode_tokens, token_to_req_ind
             launch = _bind(kernels.C128A_LAUNCHER, T, tensors, kernels.c128a_runtime_args(Td, Wd, Wp, *tensors),
                            kernels.c128a_constexprs(compress_ratio, block_size, max(Wd, Wp), target),
                            positions.device)
-        _remember(sig, launch)
+        _PLANS.remember(sig, launch)
     if launch is not None:
         launch(positions, token_to_req_indices, block_table, slot_mapping, global_decode_buffer, decode_lens_buffer,
                prefill_buffer)
@@ -611,8 +603,8 @@ def _c128a_examples():
 # --- fill_short_context_topk_indices -------------------------------------------------------------
 def _fill_kernel(topk_indices, positions, topk, compress_ratio):
     sig = _sig("fill", (topk_indices, positions, topk, compress_ratio))
-    launch = _PLANS.get(sig, _MISSING)
-    if launch is _MISSING:
+    launch = _PLANS.get(sig, MISSING)
+    if launch is MISSING:
         T = check_fill(topk_indices, positions, topk, compress_ratio)
         launch = None
         if T > 0 and topk > 0:
@@ -620,7 +612,7 @@ def _fill_kernel(topk_indices, positions, topk, compress_ratio):
             launch = _bind(kernels.FILL_LAUNCHER, T, (topk_indices, positions),
                            kernels.fill_runtime_args(topk_indices, positions),
                            kernels.fill_constexprs(topk, compress_ratio, target), positions.device)
-        _remember(sig, launch)
+        _PLANS.remember(sig, launch)
     if launch is not None:
         launch(topk_indices, positions)
 

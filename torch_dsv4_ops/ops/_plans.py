@@ -1,0 +1,25 @@
+"""Plans by argument signature, shared by the op families.
+
+An op's `_kernel` builds a signature tuple of every shape, stride, dtype, device and non-tensor
+argument of a call (never a tensor's values), validates and plans only when the signature is new,
+and otherwise looks the plan (a kernels._launch.Launch, or None for nothing to launch) up and runs it.
+"""
+from __future__ import annotations
+
+MISSING = object()
+"""`plans.get(sig, MISSING)`: a signature not seen yet (None is a valid plan: nothing to launch)."""
+
+
+class PlanCache(dict):
+    """{signature: plan}, emptied when it reaches `limit` entries (a bound on memory, not an LRU)."""
+
+    def __init__(self, limit: int = 4096):
+        super().__init__()
+        self.limit = limit
+
+    def remember(self, sig, plan):
+        """Store and return `plan`."""
+        if len(self) >= self.limit:
+            self.clear()
+        self[sig] = plan
+        return plan
