@@ -66,6 +66,11 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def launch_options(meta: dict) -> dict:
+    """meta plus the Triton launch options it implies: programmatic dependent launch with PDL."""
+    return dict(meta, launch_pdl=True) if meta.get("PDL") else meta
+
+
 def _hook_set(hook) -> bool:
     """A launch hook is in use: not None and, for Triton's HookChain (3.6+, always present), non-empty."""
     return hook is not None and bool(getattr(hook, "calls", True))

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import layout, platform
-from ._launch import FastLauncher
+from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
 from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
 
 if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
@@ -203,10 +203,6 @@ def constexprs(h, dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_size, 
                 DIV64=codec.div64, SW_IN=codec.sw_in, SW_OUT=codec.sw_out, PDL=platform.supports_pdl(target),
                 **tile_config(h, dk, dv, target))
 
-
-def launch_options(meta: dict) -> dict:
-    """meta plus Triton's launch options it implies (programmatic dependent launch with PDL)."""
-    return dict(meta, launch_pdl=True) if meta.get("PDL") else meta
 
 
 TENSOR_ARGS = ("key", "value", "kc", "vc", "slot_mapping", "k_scale", "v_scale")   # the first 7 parameters

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .. import layout, platform
 from ..reference.k_cache import FP32_MAN_BITS, fp8_format, nan_code, ue8m0_constants
-from ._launch import FastLauncher
+from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
 from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
 
 if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
@@ -125,10 +125,6 @@ def insert_constexprs(block_size: int, use_fnuz: bool, target: platform.Target) 
     return dict(**_layout_constexprs(block_size), **_codec(use_fnuz, target), PDL=platform.supports_pdl(target),
                 num_warps=platform.num_warps_for(target, BLOCK_Q * layout.QUANT_BLOCK))
 
-
-def launch_options(meta: dict) -> dict:
-    """meta plus the launch options it implies (programmatic dependent launch with PDL)."""
-    return dict(meta, launch_pdl=True) if meta.get("PDL") else meta
 
 
 def insert_runtime_args(k_stride: int, slot_stride: int, num_slots: int, block_stride: int) -> tuple:

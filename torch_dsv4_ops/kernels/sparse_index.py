@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import layout, platform
-from ._launch import FastLauncher
+from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
 
 if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
     gdc_wait = gdc_launch_dependents = None
@@ -287,10 +287,6 @@ LAUNCHERS = {"global": GLOBAL_LAUNCHER, "combine": COMBINE_LAUNCHER, "flashinfer
 def _warps(target: platform.Target, block: int) -> int:
     return platform.num_warps_for(target, block, per_thread=4)
 
-
-def launch_options(meta: dict) -> dict:
-    """meta plus Triton's launch options it implies (programmatic dependent launch with PDL)."""
-    return dict(meta, launch_pdl=True) if meta.get("PDL") else meta
 
 
 def global_constexprs(block_size: int, K: int, target: platform.Target) -> dict:
