@@ -62,20 +62,6 @@ def _lookup(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, p, BS: tl.constexpr):
 
 
 @triton.jit
-def _lookup_vec(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, p, BS: tl.constexpr):
-    """`_lookup` with a tensor of request ids `r` (int64, same shape as p)."""
-    rok = (r >= 0) & (r < bt_rows)
-    rr = tl.where(rok, r, 0)
-    ok = rok & (p >= 0)
-    pp = tl.where(ok, p, 0)
-    col = pp // BS
-    ok = ok & (col < bt_cols)
-    blk = tl.load(bt_ptr + rr * bt_s0 + tl.where(ok, col, 0) * bt_s1, mask=ok, other=-1).to(tl.int64)
-    ok = ok & (blk >= 0)
-    return tl.where(ok, blk * BS + pp % BS, -1)
-
-
-@triton.jit
 def _remap(v, BS: tl.constexpr, SPAN: tl.constexpr):
     if SPAN == BS:
         out = v

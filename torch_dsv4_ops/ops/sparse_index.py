@@ -436,11 +436,6 @@ def _flashinfer_new(decode_swa_indices, decode_compressed_indices, prefill_topk_
             decode_swa_indices.new_empty((rows,), dtype=torch.int32))
 
 
-_FI_PARAMS = ("decode_swa_indices, decode_compressed_indices, decode_compressed_topk_lens, prefill_topk_indices, "
-              "query_start_loc, seq_lens, token_to_req_indices, swa_block_table, swa_block_size, "
-              "compressed_block_table, compressed_block_size, window_size, compress_ratio, topk")
-
-
 def _flashinfer_kernel(decode_swa_indices, decode_compressed_indices, decode_compressed_topk_lens,
                        prefill_topk_indices, query_start_loc, seq_lens, token_to_req_indices, swa_block_table,
                        swa_block_size, compressed_block_table, compressed_block_size, window_size, compress_ratio,
