@@ -156,6 +156,22 @@ def test_interpreter_launchers_are_public_only():
     assert launcher.direct is False
 
 
+def test_launch_options_select_the_compiled_kernel():
+    """Two binds that differ only in num_warps (or another launch option) are distinct
+    specialisations: a direct launch must not reuse the kernel compiled for the other."""
+    from torch_dsv4_ops import platform
+    from torch_dsv4_ops.kernels import k_cache
+
+    meta = _launch.launch_options(k_cache.insert_constexprs(64, False, platform.Target("cuda", 90)))
+    launcher = k_cache.INSERT_LAUNCHER
+    args = ((1,), (torch.bfloat16, torch.uint8, torch.int64), (3, 512, 1, 128, 37440))
+    a = launcher.bind(*args, meta, torch.device("cpu"))
+    b = launcher.bind(*args, {**meta, "num_warps": 2 * meta["num_warps"]}, torch.device("cpu"))
+    c = launcher.bind(*args, dict(meta), torch.device("cpu"))
+    assert a.spec != b.spec
+    assert a.spec == c.spec
+
+
 # --- GPU: direct, public and hooked launches write the same bytes -------------------------------
 def _fast_launchers():
     """Every FastLauncher held at module level by a torch_dsv4_ops.kernels submodule."""

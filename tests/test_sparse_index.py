@@ -392,6 +392,32 @@ def test_random_combine(device, kind):
     assert L(r[2][:Tq]) == rows and L(r[3][:Tq]) == lens and L(r[2][Tq:]) == [[5] * 13] * 2
 
 
+def test_combine_many_requests_two_level_search(device):
+    """Rc >= kernels.SEARCH takes the kernel's two-level search of query_start_loc (pivots, then one
+    segment): rows of a batch of mostly empty requests land on the right request."""
+    from torch_dsv4_ops.kernels import sparse_index as kernels
+
+    g = torch.Generator().manual_seed(11)
+    Rc = kernels.SEARCH + 37
+    qlens = torch.zeros(Rc, dtype=torch.int64)
+    qlens[torch.randperm(Rc, generator=g)[:24]] = torch.randint(1, 4, (24,), generator=g)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), qlens.cumsum(0)]).int() + 7
+    seq = (qlens + torch.randint(0, 40, (Rc,), generator=g)).int()
+    gl = torch.minimum(seq, qlens.int() + 3)
+    Tq, N = int(qlens.sum()), 12
+    topk_idx = torch.randint(-1, N + 2, (Tq, 4), generator=g, dtype=torch.int32)
+    args = (topk_idx, qsl, seq, gl, 8, 4, 4, N + 50, N)
+
+    def fn(dev):
+        return d.combine_topk_swa_indices(*[x.to(dev) if isinstance(x, torch.Tensor) else x for x in args])
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "combine, two-level search")
+    a = [x.tolist() if isinstance(x, torch.Tensor) else x for x in args]
+    rows, lens = o_combine(*a, width=layout.combine_width(4, 8))
+    assert L(r[0]) == rows and L(r[1]) == lens
+
+
 def flashinfer_case(b, local=True, topk=5, span=None, with_lens=False, wswa=10):
     g = b["g"]
     Td = sum(1 for q in b["qlens"] if q == 1) if b["qlens"] else 0

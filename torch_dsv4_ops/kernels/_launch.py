@@ -106,7 +106,9 @@ class FastLauncher:
         launch options). `dtypes`: per tensor argument, the dtype Triton sees (a tensor of another
         dtype is viewed as it)."""
         constexpr_values = tuple(meta[n] for n in self.constexpr_names)
-        spec = self._ids.setdefault((dtypes, ints, constexpr_values), len(self._ids))
+        # num_warps, num_stages and launch options select a compiled kernel too
+        options = tuple(sorted((k, v) for k, v in meta.items() if k not in self.constexpr_names))
+        spec = self._ids.setdefault((dtypes, ints, constexpr_values, options), len(self._ids))
         return Launch(self, grid, dtypes, ints, constexpr_values, meta, device, spec)
 
     def cache_size(self) -> int:

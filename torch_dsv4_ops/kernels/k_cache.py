@@ -1,14 +1,13 @@
 """Triton kernels and launchers for the fp8_ds_mla K cache (SPEC §2.1, §3.2).
 
-* `quantize_insert_kernel`: grid (N,), one program per token. It loads the slot and the token's
-  bf16 row (NoPE as a [8, 64] tile whose row 7 is masked, RoPE as 128 raw bytes), computes the 7
-  UE8M0 exponents from the fp32 bit patterns (no log2), and stores 448 fp8 bytes, 128 RoPE bytes
-  and 8 scale bytes with byte-wide contiguous stores (vectorised to 16 B where the page stride is a
-  multiple of 16).
+* `quantize_insert_kernel`: grid (cdiv(N, TOKENS),), TOKENS tokens per program (`insert_tokens`).
+  Its NoPE tile has one row per (token, quant block), [TOKENS*8, 64] with every 8th row masked, so
+  the 7 UE8M0 exponents are row maxima of the fp32 bit patterns (no log2); it stores 448 fp8 bytes,
+  128 RoPE bytes and 8 scale bytes per token, every load before the first store.
 * `dequant_gather_kernel`: grid (R, workers), workers = min(cdiv(W, BLOCK_T), MAX_WORKERS) from
-  host ints only. Program (r, w) walks the rows i = w*BLOCK_T, w*BLOCK_T + workers*BLOCK_T, ...
-  of request r below min(gl, W - offset), BLOCK_T tokens per step, every load of a step before its
-  stores.
+  host ints only (BLOCK_T from `gather_block_t(W)`). Program (r, w) walks the rows i = w*BLOCK_T,
+  w*BLOCK_T + workers*BLOCK_T, ... of request r below min(gl, W - offset), BLOCK_T tokens per
+  step; the block-table entries of the next step are loaded before this step's stores.
 
 All cache addressing is int64 (`blk * block_stride`); token counts, strides, widths and `offset`
 are runtime arguments; structural sizes (block size, dims, fp8 flavour) are constexprs.
@@ -32,7 +31,14 @@ else:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 BLOCK_Q = triton.next_power_of_2(layout.NUM_QUANT_BLOCKS)   # 8 rows of the NoPE tile (7 used)
-BLOCK_T = 4                  # gather: tokens per loop step of one program
+# Tile settings measured on an H100 (benchmarks/sweep_tiles.py, benchmarks/NOTES.md):
+INSERT_TOKENS = 2            # insert: tokens per program from INSERT_SMALL tokens on (1 below: latency)
+INSERT_SMALL = 1024
+INSERT_MAX_WARPS = 2
+BLOCK_T = 8                  # gather: tokens per loop step of one program for wide outputs
+BLOCK_T_NARROW = 2           # ... and for outputs of at most NARROW_WIDTH rows (decode windows)
+NARROW_WIDTH = 512
+GATHER_MAX_WARPS = 4
 MAX_WORKERS = 512            # gather: programs per request, at most
 FP32_MAX_BITS = 0x7F7FFFFF
 FP32_INF_BITS = 0x7F800000
@@ -58,27 +64,36 @@ def ue8m0_bit_rule(fmt: layout.Fp8Format) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def quantize_insert_kernel(
-    k_ptr, cache_ptr, slot_ptr, k_stride, slot_stride, num_slots, block_stride,
+    k_ptr, cache_ptr, slot_ptr, n_tokens, k_stride, slot_stride, num_slots, block_stride,
     BS: tl.constexpr, NOPE: tl.constexpr, ROPE_BYTES: tl.constexpr, QB: tl.constexpr, NQ: tl.constexpr,
     BLOCK_Q: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, FMT: tl.constexpr,
     SW: tl.constexpr, FP8_MAX: tl.constexpr, E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr,
-    FLOOR_BITS: tl.constexpr, BIAS: tl.constexpr, NAN_CODE: tl.constexpr, PDL: tl.constexpr,
+    FLOOR_BITS: tl.constexpr, BIAS: tl.constexpr, NAN_CODE: tl.constexpr, TOKENS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    # Rows of the NoPE tile are (token, quant block) pairs: row j is block j % BLOCK_Q of token
+    # j // BLOCK_Q, so the UE8M0 amax is a row reduction and every row's 64 codes are contiguous.
+    first = tl.program_id(0).to(tl.int64) * TOKENS
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    q = tl.arange(0, BLOCK_Q)
+    j = tl.arange(0, TOKENS * BLOCK_Q)
+    q = j % BLOCK_Q
+    t = first + j // BLOCK_Q                                            # token of row j
     d = tl.arange(0, QB)
-    q_ok = q < NQ
-    col = q[:, None] * QB + d[None, :]                                  # NoPE dim of the tile
-    tile_ok = q_ok[:, None] & (d < QB)[None, :]
+    live = t < n_tokens
+    t = tl.where(live, t, 0)
+    tt = first + tl.arange(0, TOKENS)                                   # tokens, for the RoPE tile
+    live_t = tt < n_tokens
+    tt = tl.where(live_t, tt, 0)
     rb = tl.arange(0, ROPE_BYTES)
-    # all loads first: the slot, the NoPE tile, the RoPE bytes (token t < N is always inside k)
-    slot = tl.load(slot_ptr + t * slot_stride).to(tl.int64)
-    row = k_ptr + t * k_stride
-    x = tl.load(row + col, mask=tile_ok, other=0.0).to(tl.float32)
-    rope = tl.load(row.to(tl.pointer_type(tl.uint8)) + 2 * NOPE + rb)
+    # all loads first: slots, the NoPE tile, the RoPE bytes
+    slot = tl.load(slot_ptr + t * slot_stride, mask=live, other=-1).to(tl.int64)
+    slot_t = tl.load(slot_ptr + tt * slot_stride, mask=live_t, other=-1).to(tl.int64)
+    x = tl.load(k_ptr + t[:, None] * k_stride + (q * QB)[:, None] + d[None, :],
+                mask=((q < NQ) & live)[:, None] & (d < QB)[None, :], other=0.0).to(tl.float32)
+    rope_src = k_ptr.to(tl.pointer_type(tl.uint8)) + (tt * k_stride * 2 + 2 * NOPE)[:, None] + rb[None, :]
+    rope = tl.load(rope_src, mask=live_t[:, None] & (rb < ROPE_BYTES)[None, :])
     # UE8M0 exponent per quant block, exactly, from bit patterns: |x| as int bits orders like |x|
     mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     mag = tl.where(mag > 0x7F800000, 0, mag)                            # NaN is left out of amax
@@ -92,18 +107,19 @@ def quantize_insert_kernel(
     codes = fp8_encode(y, FMT, SW)
     codes = tl.where(y != y, NAN_CODE, codes)                          # one NaN code, any sign (docs §6.1)
     byte = tl.minimum(tl.maximum(e + BIAS, 0), 255)
-    byte = tl.where(q_ok, byte, 0).to(tl.uint8)                         # byte 7 = 0
-    valid = (slot >= 0) & (slot < num_slots)                            # every other slot: skip
+    byte = tl.where(q < NQ, byte, 0).to(tl.uint8)                       # byte 7 = 0
+    # every negative slot and every slot past the cache: skip (tensor-only masks, for the interpreter)
+    valid = (slot >= 0) & (slot < num_slots)
     slot = tl.where(valid, slot, 0)
-    blk = slot // BS
+    page = cache_ptr + (slot // BS) * block_stride
     off = slot % BS
-    page = cache_ptr + blk * block_stride
-    data = page + off * DATA_BYTES
-    lim = tl.where(valid, NQ, 0)                                        # tensor-only masks (interpreter)
-    tl.store(data + col, codes, mask=(q < lim)[:, None] & (d < QB)[None, :])
-    tl.store(data + NOPE + rb, rope, mask=rb < tl.where(valid, ROPE_BYTES, 0))
-    sc = page + BS * DATA_BYTES + off * SCALE_BYTES
-    tl.store(sc + q, byte, mask=q < tl.where(valid, SCALE_BYTES, 0))
+    tl.store((page + off * DATA_BYTES + q * QB)[:, None] + d[None, :], codes,
+             mask=(valid & (q < NQ))[:, None] & (d < QB)[None, :])
+    tl.store(page + BS * DATA_BYTES + off * SCALE_BYTES + q, byte, mask=valid & (q < SCALE_BYTES))
+    valid_t = (slot_t >= 0) & (slot_t < num_slots)
+    slot_t = tl.where(valid_t, slot_t, 0)
+    rope_dst = cache_ptr + (slot_t // BS) * block_stride + (slot_t % BS) * DATA_BYTES + NOPE
+    tl.store(rope_dst[:, None] + rb[None, :], rope, mask=valid_t[:, None] & (rb < ROPE_BYTES)[None, :])
 
 
 def _codec(use_fnuz: bool, target: platform.Target) -> dict:
@@ -120,21 +136,40 @@ def _layout_constexprs(block_size: int) -> dict:
                 SCALE_BYTES=layout.SCALE_BYTES)
 
 
-def insert_constexprs(block_size: int, use_fnuz: bool, target: platform.Target) -> dict:
+def insert_tokens(n_tokens: int) -> int:
+    """Tokens per program of `quantize_insert_kernel` for a call of `n_tokens` tokens."""
+    return INSERT_TOKENS if n_tokens >= INSERT_SMALL else 1
+
+
+def insert_constexprs(block_size: int, use_fnuz: bool, target: platform.Target, tokens: int = 1) -> dict:
     """Constexprs (and num_warps) of `quantize_insert_kernel`, shared by the launcher and the matrix."""
-    return dict(**_layout_constexprs(block_size), **_codec(use_fnuz, target), PDL=platform.supports_pdl(target),
-                num_warps=platform.num_warps_for(target, BLOCK_Q * layout.QUANT_BLOCK))
+    warps = min(INSERT_MAX_WARPS, platform.num_warps_for(target, tokens * BLOCK_Q * layout.QUANT_BLOCK))
+    return dict(**_layout_constexprs(block_size), **_codec(use_fnuz, target), TOKENS=tokens,
+                PDL=platform.supports_pdl(target), num_warps=warps)
 
 
-
-def insert_runtime_args(k_stride: int, slot_stride: int, num_slots: int, block_stride: int) -> tuple:
+def insert_runtime_args(n_tokens: int, k_stride: int, slot_stride: int, num_slots: int, block_stride: int) -> tuple:
     """The int arguments after the 3 tensors (k as bf16, cache as uint8, slot_mapping)."""
-    return (k_stride, slot_stride, num_slots, block_stride)
+    return (n_tokens, k_stride, slot_stride, num_slots, block_stride)
 
 
 # ------------------------------------------------------------------------------------------------
 # dequantize_and_gather_k_cache
 # ------------------------------------------------------------------------------------------------
+@triton.jit
+def _gather_rows(bt_ptr, r, i, n, start, bt_s0, bt_s1, bt_width, num_blocks, BS: tl.constexpr):
+    """Rows i (< n) of request r: (page block id, offset in the page, source valid) per row; one
+    masked block-table load. Invalid sources (negative position, past the table, entry < 0 or
+    >= num_blocks) read block 0 and are masked."""
+    pos = start + i
+    pos0 = tl.where(pos >= 0, pos, 0)
+    colb = pos0 // BS
+    ok = (i < n) & (pos >= 0) & (colb < bt_width)
+    blk = tl.load(bt_ptr + r * bt_s0 + colb * bt_s1, mask=ok, other=-1).to(tl.int64)
+    ok = ok & (blk >= 0) & (blk < num_blocks)
+    return tl.where(ok, blk, 0), pos0 % BS, ok
+
+
 @triton.jit
 def dequant_gather_kernel(
     out_ptr, cache_ptr, seq_ptr, gather_ptr, bt_ptr, seq_stride, gather_stride, out_s0, out_s1, bt_s0, bt_s1,
@@ -164,16 +199,11 @@ def dequant_gather_kernel(
     col = q[:, None] * QB + d[None, :]
     q_ok3 = (q < NQ)[None, :, None] & (d < QB)[None, None, :]
     out_row0 = out_ptr + r * out_s0
+    # software pipeline: the table entries of the next step are loaded before this step's stores
+    blk, off, ok = _gather_rows(bt_ptr, r, w * BLOCK_T + tt, n, start, bt_s0, bt_s1, bt_width, num_blocks, BS)
     for i0 in range(w * BLOCK_T, n, step):
         i = i0 + tt
         live = i < n
-        pos = start + i
-        colb = tl.where(pos >= 0, pos, 0) // BS
-        ok = live & (pos >= 0) & (colb < bt_width)
-        blk = tl.load(bt_ptr + r * bt_s0 + colb * bt_s1, mask=ok, other=-1).to(tl.int64)
-        ok = ok & (blk >= 0) & (blk < num_blocks)
-        blk = tl.where(ok, blk, 0)
-        off = tl.where(pos >= 0, pos, 0) % BS
         page = cache_ptr + blk * block_stride
         data = page + off * DATA_BYTES                                       # [BLOCK_T] pointers
         okq = q_ok3 & ok[:, None, None]
@@ -181,6 +211,7 @@ def dequant_gather_kernel(
         sbytes = tl.load(page[:, None] + BS * DATA_BYTES + off[:, None] * SCALE_BYTES + q[None, :],
                          mask=(q < NQ)[None, :] & ok[:, None], other=0).to(tl.int32)
         rope = tl.load(data[:, None] + NOPE + rb[None, :], mask=ok[:, None] & (rb < ROPE_BYTES)[None, :], other=0)
+        blk, off, ok = _gather_rows(bt_ptr, r, i + step, n, start, bt_s0, bt_s1, bt_width, num_blocks, BS)
         # 2**(byte - 127) from its bits; byte 0 is the subnormal 2**-127, byte 255 is inf
         scale = tl.where(sbytes == 0, 1 << 22, sbytes << 23).to(tl.float32, bitcast=True)
         vals = fp8_decode(codes, FMT, SW) * scale[:, :, None]
@@ -193,18 +224,25 @@ def dequant_gather_kernel(
         tl.store(dst8[:, None] + 2 * NOPE + rb[None, :], rope, mask=live[:, None] & (rb < ROPE_BYTES)[None, :])
 
 
-def gather_constexprs(block_size: int, use_fnuz: bool, has_gather: bool, target: platform.Target) -> dict:
-    """Constexprs (and num_warps) of `dequant_gather_kernel`."""
+def gather_block_t(width: int) -> int:
+    """Tokens per loop step of `dequant_gather_kernel` for an output of `width` rows per request."""
+    return BLOCK_T_NARROW if width <= NARROW_WIDTH else BLOCK_T
+
+
+def gather_constexprs(block_size: int, use_fnuz: bool, has_gather: bool, target: platform.Target,
+                      width: int) -> dict:
+    """Constexprs (and num_warps) of `dequant_gather_kernel` for an output of `width` rows per request."""
     codec = _codec(use_fnuz, target)
+    block_t = gather_block_t(width)
+    warps = min(GATHER_MAX_WARPS, platform.num_warps_for(target, block_t * BLOCK_Q * layout.QUANT_BLOCK))
     return dict(**_layout_constexprs(block_size), FMT=codec["FMT"], SW=codec["SW"], HAS_GATHER=has_gather,
-                BLOCK_T=BLOCK_T, PDL=platform.supports_pdl(target),
-                num_warps=platform.num_warps_for(target, BLOCK_T * BLOCK_Q * layout.QUANT_BLOCK))
+                BLOCK_T=block_t, PDL=platform.supports_pdl(target), num_warps=warps)
 
 
 def gather_workers(width: int) -> int:
-    """Programs per request: enough for one BLOCK_T step each over `width` rows, at most MAX_WORKERS
-    (a function of out's shape only, so a captured graph fits every later call)."""
-    return max(1, min(layout.cdiv(width, BLOCK_T), MAX_WORKERS))
+    """Programs per request: enough for one step each over `width` rows, at most MAX_WORKERS (a
+    function of out's shape only, so a captured graph fits every later call)."""
+    return max(1, min(layout.cdiv(width, gather_block_t(width)), MAX_WORKERS))
 
 
 def gather_runtime_args(seq_stride: int, gather_stride: int, out_strides, bt_strides, bt_width: int,
@@ -224,15 +262,15 @@ _MATRIX_BLOCK_SIZES = (64, 2)        # SWA/C4A and C128A pages
 
 
 def matrix_launch_insert(target: platform.Target, block_size: int, use_fnuz: bool, slot_dtype=torch.int64,
-                         padded: bool = True):
+                         padded: bool = True, tokens: int = 3):
     """What ops/k_cache.py passes to `quantize_insert_kernel` for one call on `target`: (case name,
     tensors as `matrix.Ptr`, ints, constexprs with num_warps). 2 blocks, contiguous k and slots."""
     from .matrix import Ptr
 
     stride = layout.ds_mla_block_stride(block_size) if padded else layout.ds_mla_block_bytes(block_size)
-    meta = launch_options(insert_constexprs(block_size, use_fnuz, target))
+    meta = launch_options(insert_constexprs(block_size, use_fnuz, target, insert_tokens(tokens)))
     tensors = (Ptr(torch.bfloat16), Ptr(torch.uint8), Ptr(slot_dtype))
-    ints = insert_runtime_args(layout.HEAD_DIM, 1, 2 * block_size, stride)
+    ints = insert_runtime_args(tokens, layout.HEAD_DIM, 1, 2 * block_size, stride)
     name = f"k_cache_insert.bs{block_size}.{'fnuz' if use_fnuz else 'ocp'}" \
         + ("" if slot_dtype == torch.int64 else ".slot32") + ("" if padded else ".unpadded")
     return name, tensors, ints, meta
@@ -244,12 +282,12 @@ def matrix_launch_gather(target: platform.Target, block_size: int, use_fnuz: boo
     from .matrix import Ptr
 
     nb, cols = 64, 4
-    meta = launch_options(gather_constexprs(block_size, use_fnuz, has_gather, target))
+    meta = launch_options(gather_constexprs(block_size, use_fnuz, has_gather, target, width))
     tensors = (Ptr(torch.bfloat16), Ptr(torch.uint8), Ptr(torch.int32), Ptr(torch.int32), Ptr(table_dtype))
     ints = gather_runtime_args(1, 1 if has_gather else 0, (width * layout.HEAD_DIM, layout.HEAD_DIM), (cols, 1),
                                cols, nb, layout.ds_mla_block_stride(block_size), width, offset)
     name = f"k_cache_gather.bs{block_size}.{'fnuz' if use_fnuz else 'ocp'}" + (".gl" if has_gather else "") \
-        + ("" if table_dtype == torch.int32 else ".table64")
+        + ("" if table_dtype == torch.int32 else ".table64") + f".w{width}"
     return name, tensors, ints, meta
 
 
@@ -278,6 +316,7 @@ def matrix_cases(target: platform.Target) -> list:
                                       matrix_launch_insert(target, bs, fnuz, padded=False)))
             for has_gather in (False, True):
                 for table in (torch.int32, torch.int64):
-                    cases.append(_matrix_case(target, dequant_gather_kernel,
-                                              matrix_launch_gather(target, bs, fnuz, has_gather, table)))
+                    for width in (128, 8192):
+                        cases.append(_matrix_case(target, dequant_gather_kernel,
+                                                  matrix_launch_gather(target, bs, fnuz, has_gather, table, width)))
     return dedupe(cases)

@@ -18,6 +18,8 @@ import triton.language as tl
 from .. import layout, platform
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
 
+SEARCH = 256              # combine: query_start_loc entries one program searches at once
+
 if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
     gdc_wait = gdc_launch_dependents = None
 else:
@@ -73,81 +75,165 @@ def _remap(v, BS: tl.constexpr, SPAN: tl.constexpr):
 
 # --- compute_global_topk_indices_and_lens -------------------------------------------------------
 @triton.jit
+def _global_tile(v, c, K, bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, g_row, g_s1, BS: tl.constexpr):
+    m = c < K
+    g = _i32(_lookup(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, v, BS))
+    tl.store(g_row + c * g_s1, g, mask=m)
+    return (m & (g >= 0)).to(tl.int32)
+
+
+@triton.jit
 def global_topk_kernel(
     topk_ptr, t2r_ptr, bt_ptr, valid_ptr, g_ptr, lens_ptr,
     K, topk_s0, topk_s1, t2r_s, bt_rows, bt_cols, bt_s0, bt_s1, valid_s, g_s0, g_s1, lens_s,
     BS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    row = topk_ptr + t * topk_s0
     _pdl_start(PDL)
+    # every load that needs no other load first: the request, the flag, the first tile of indices
     r = tl.load(t2r_ptr + t * t2r_s).to(tl.int64)
     valid = tl.load(valid_ptr + t * valid_s)
-    cols = tl.arange(0, BLOCK)
-    count = tl.zeros((BLOCK,), dtype=tl.int32)
-    for c0 in range(0, K, BLOCK):
+    v = tl.load(row + cols * topk_s1, mask=cols < K, other=-1).to(tl.int64)
+    g_row = g_ptr + t * g_s0
+    count = _global_tile(v, cols, K, bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, g_row, g_s1, BS)
+    for c0 in range(BLOCK, K, BLOCK):
         c = c0 + cols
-        m = c < K
-        v = tl.load(topk_ptr + t * topk_s0 + c * topk_s1, mask=m, other=-1).to(tl.int64)
-        g = _i32(_lookup(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, v, BS))
-        tl.store(g_ptr + t * g_s0 + c * g_s1, g, mask=m)
-        count += (m & (g >= 0)).to(tl.int32)
+        v = tl.load(row + c * topk_s1, mask=c < K, other=-1).to(tl.int64)
+        count += _global_tile(v, c, K, bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, g_row, g_s1, BS)
     n = tl.sum(count, axis=0)
     tl.store(lens_ptr + t * lens_s, tl.where(valid != 0, n, 0))
 
 
 # --- combine_topk_swa_indices -------------------------------------------------------------------
 @triton.jit
+def _pick(vec, ks, k):
+    """vec[k] of a vector held in registers (k a scalar index into it)."""
+    return tl.sum(tl.where(ks == k, vec, 0), axis=0)
+
+
+@triton.jit
+def _clamp32(x, hi):
+    """An int64 column bound clamped to [0, hi] as int32."""
+    return tl.minimum(tl.maximum(x, 0), hi).to(tl.int32)
+
+
+@triton.jit
+def _combine_tile(loc, c, width, tk, top_lo, top_lim, top_base, swa_lo, swa_hi, swa_base, out_row, out_s1):
+    """One tile of a covered row in int32: the row's int64 bounds were folded into per-row column and
+    index limits, so the value is -1 exactly where the int64 formula is invalid or past INT32_MAX."""
+    top = tl.where((loc >= top_lo) & (loc < top_lim), top_base + loc, -1)
+    swa = tl.where((c >= swa_lo) & (c < swa_hi), swa_base + c, -1)
+    tl.store(out_row + c.to(tl.int64) * out_s1, tl.where(c < tk, top, swa), mask=c < width)
+
+
+@triton.jit
 def combine_kernel(
     topk_ptr, qsl_ptr, seq_ptr, gl_ptr, out_ptr, lens_ptr,
-    Rc, n_iter, M, N, width, topk_s0, topk_s1, qsl_s, seq_s, gl_s, out_s0, out_s1, lens_s,
+    Rc, seg, M, N, width, topk_s0, topk_s1, qsl_s, seq_s, gl_s, out_s0, out_s1, lens_s,
     WINDOW: tl.constexpr, RATIO: tl.constexpr, TOPK: tl.constexpr, WRITE_UNCOVERED: tl.constexpr,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, SEARCH: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, SEARCH)
+    cols = tl.arange(0, BLOCK)
+    top_row = topk_ptr + t * topk_s0
     _pdl_start(PDL)
-    base = tl.load(qsl_ptr).to(tl.int64)
-    # the last request b with qs[b] <= t (qsl non-decreasing): upper bound over qsl[0:Rc], minus one
-    lo = t * 0
-    hi = lo + Rc
-    for _ in range(n_iter):
-        mid = (lo + hi) // 2
-        a = tl.load(qsl_ptr + mid * qsl_s).to(tl.int64) - base
-        active = lo < hi
-        lo = tl.where(active & (a <= t), mid + 1, lo)
-        hi = tl.where(active & (a > t), mid, hi)
-    b = tl.maximum(lo - 1, 0)
-    qs = tl.load(qsl_ptr + b * qsl_s).to(tl.int64) - base
-    qe = tl.load(qsl_ptr + (b + 1) * qsl_s).to(tl.int64) - base
+    # The request of row t is b = (number of qs[0:Rc] <= t) - 1 (qsl is non-decreasing). With
+    # Rc < SEARCH all of qsl, seq_lens and gather_lens come in one round of loads, together with the
+    # row's first tile of top-k indices; otherwise pivots qsl[k*seg] pick a segment of seg entries.
+    loc = tl.load(top_row + cols.to(tl.int64) * topk_s1, mask=cols < TOPK, other=-1)
+    if Rc < SEARCH:
+        a = tl.load(qsl_ptr + ks * qsl_s, mask=ks <= Rc, other=0).to(tl.int64)
+        seqv = tl.load(seq_ptr + ks * seq_s, mask=ks < Rc, other=0).to(tl.int64)
+        glv = tl.load(gl_ptr + ks * gl_s, mask=ks < Rc, other=0).to(tl.int64)
+        a = a - _pick(a, ks, 0)
+        b = tl.maximum(tl.sum(((a <= t) & (ks < Rc)).to(tl.int32), axis=0) - 1, 0).to(tl.int64)
+        qs = _pick(a, ks, b)
+        qe = _pick(a, ks, b + 1)
+        seq = _pick(seqv, ks, b)
+        gl = _pick(glv, ks, b)
+    else:
+        base = tl.load(qsl_ptr).to(tl.int64)
+        piv = tl.load(qsl_ptr + ks.to(tl.int64) * seg * qsl_s, mask=ks * seg < Rc, other=0).to(tl.int64) - base
+        lo = (tl.maximum(tl.sum(((piv <= t) & (ks * seg < Rc)).to(tl.int32), axis=0) - 1, 0)).to(tl.int64) * seg
+        hi = tl.minimum(lo + seg, Rc)
+        n_le = lo * 0
+        for k0 in range(0, seg, SEARCH):
+            k = lo + k0 + ks
+            a = tl.load(qsl_ptr + k * qsl_s, mask=k < hi, other=0).to(tl.int64) - base
+            n_le += tl.sum(((a <= t) & (k < hi)).to(tl.int32), axis=0)
+        b = tl.maximum(lo + n_le - 1, 0)
+        qs = tl.load(qsl_ptr + b * qsl_s).to(tl.int64) - base
+        qe = tl.load(qsl_ptr + (b + 1) * qsl_s).to(tl.int64) - base
+        seq = tl.load(seq_ptr + b * seq_s).to(tl.int64)
+        gl = tl.load(gl_ptr + b * gl_s).to(tl.int64)
     covered = (t >= qs) & (t < qe)
-    seq = tl.load(seq_ptr + b * seq_s).to(tl.int64)
-    gl = tl.load(gl_ptr + b * gl_s).to(tl.int64)
     pos = seq - (qe - qs) + (t - qs)
     live = pos >= 0
     tk = tl.where(live, tl.minimum(tl.maximum(pos + 1, 0) // RATIO, TOPK), 0)
     sw = tl.where(live, tl.minimum(pos + 1, WINDOW), 0)
-    gstart = seq - gl
+    # SPEC: column c < tk holds M*b + l for 0 <= l < N; column tk + i (i < sw) holds M*b + N + w,
+    # w = pos - sw + 1 + i - (seq - gl), for w >= 0 and N + w < M; -1 elsewhere and wherever the value
+    # is negative or past INT32_MAX. As int32 column/index limits of this row:
     mb = M * b
-    cols = tl.arange(0, BLOCK)
+    top_lo = _clamp32(-mb, 2147483647)
+    top_lim = _clamp32(tl.minimum(N, 2147483647 - mb + 1), 2147483647)
+    w0 = pos - sw + 1 - tk - (seq - gl)            # w of column c is w0 + c
+    swa_base = mb + N + w0                          # the value of column c is swa_base + c
+    swa_lo = _clamp32(tl.maximum(tl.maximum(-w0, -swa_base), tk), width)
+    swa_hi = _clamp32(tl.minimum(tl.minimum(tk + sw, M - N - w0), 2147483647 - swa_base + 1), width)
+    top_base = mb.to(tl.int32)                      # wraps only where no column uses it
+    swa_base = swa_base.to(tl.int32)
+    tk32 = tk.to(tl.int32)
+    out_row = out_ptr + t * out_s0
     if covered:
-        for c0 in range(0, width, BLOCK):
-            c = (c0 + cols).to(tl.int64)
-            m = c < width
-            loc = tl.load(topk_ptr + t * topk_s0 + c * topk_s1, mask=c < tk, other=-1).to(tl.int64)
-            top = tl.where((loc >= 0) & (loc < N), mb + loc, -1)
-            w = pos - sw + 1 + (c - tk) - gstart
-            swa = tl.where((w >= 0) & (N + w < M), mb + N + w, -1)
-            v = tl.where(c < tk, top, tl.where(c < tk + sw, swa, -1))
-            tl.store(out_ptr + t * out_s0 + c * out_s1, _i32(v), mask=m)
+        _combine_tile(loc, cols, width, tk32, top_lo, top_lim, top_base, swa_lo, swa_hi, swa_base, out_row, out_s1)
+        for c0 in range(BLOCK, width, BLOCK):
+            c = c0 + cols
+            loc = tl.load(top_row + c.to(tl.int64) * topk_s1, mask=c < tk, other=-1)
+            _combine_tile(loc, c, width, tk32, top_lo, top_lim, top_base, swa_lo, swa_hi, swa_base, out_row,
+                          out_s1)
         tl.store(lens_ptr + t * lens_s, (tk + sw).to(tl.int32))
     else:
         if WRITE_UNCOVERED:
             for c0 in range(0, width, BLOCK):
                 c = c0 + cols
-                tl.store(out_ptr + t * out_s0 + c * out_s1, tl.full((BLOCK,), -1, tl.int32), mask=c < width)
+                tl.store(out_row + c.to(tl.int64) * out_s1, tl.full((BLOCK,), -1, tl.int32), mask=c < width)
             tl.store(lens_ptr + t * lens_s, 0)
 
 
 # --- build_flashinfer_mixed_sparse_indices ------------------------------------------------------
+@triton.jit
+def _fi_decode_swa(v, c, Wswa, row, out_s1, SBS: tl.constexpr, SSPAN: tl.constexpr):
+    tl.store(row + c * out_s1, _i32(_remap(v, SBS, SSPAN)), mask=c < Wswa)
+
+
+@triton.jit
+def _fi_decode_comp(v, j, Kd, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
+                    CBS: tl.constexpr, CSPAN: tl.constexpr, LOCAL: tl.constexpr):
+    if LOCAL:
+        v = _lookup(cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, v, CBS)
+    o = tl.where(j < Kd, _i32(_remap(v, CBS, CSPAN)), -1)
+    tl.store(row + (Wswa + j) * out_s1, o, mask=j < P)
+    return (o >= 0).to(tl.int32)
+
+
+@triton.jit
+def _fi_prefill_swa(c, sw, s0, Wswa, row, out_s1, sbt_ptr, sbt_rows, sbt_cols, sbt_s0, sbt_s1, r,
+                    SBS: tl.constexpr, SSPAN: tl.constexpr):
+    s = _lookup(sbt_ptr, sbt_rows, sbt_cols, sbt_s0, sbt_s1, r, tl.where(c < sw, s0 + c, -1), SBS)
+    tl.store(row + c * out_s1, _i32(_remap(s, SBS, SSPAN)), mask=c < Wswa)
+
+
+@triton.jit
+def _fi_prefill_comp(loc, j, kk, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
+                     CBS: tl.constexpr, CSPAN: tl.constexpr):
+    s = _lookup(cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, tl.where(j < kk, loc, -1), CBS)
+    tl.store(row + (Wswa + j) * out_s1, _i32(_remap(s, CBS, CSPAN)), mask=j < P)
+
+
 @triton.jit
 def flashinfer_kernel(
     dswa_ptr, dcomp_ptr, dlens_ptr, ptopk_ptr, qsl_ptr, seq_ptr, t2r_ptr, sbt_ptr, cbt_ptr, dvalid_ptr,
@@ -161,26 +247,38 @@ def flashinfer_kernel(
     BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    _pdl_start(PDL)
-    r = tl.load(t2r_ptr + t * t2r_s).to(tl.int64)
     cw = tl.arange(0, BLOCK_W).to(tl.int64)
     cp = tl.arange(0, BLOCK_P).to(tl.int64)
+    is_dec = t < Td
+    tp = tl.where(is_dec, 0, t - Td)
+    td = tl.where(is_dec, t, 0)
+    dswa_row = dswa_ptr + td * dswa_s0
+    dcomp_row = dcomp_ptr + td * dcomp_s0
+    ptopk_row = ptopk_ptr + tp * ptopk_s0
+    # masks as tensors (interpreter): the decode inputs of a decode row, the prefill ones otherwise
+    n_wswa = tl.where(is_dec, Wswa, 0)
+    n_kd = tl.where(is_dec, Kd, 0)
+    n_kp = tl.where(is_dec, 0, Kp)
+    _pdl_start(PDL)
+    # the loads that need no other load: the request and the first tile of each index row
+    r = tl.load(t2r_ptr + t * t2r_s).to(tl.int64)
+    vw = tl.load(dswa_row + cw * dswa_s1, mask=cw < n_wswa, other=-1).to(tl.int64)
+    vp = tl.load(dcomp_row + cp * dcomp_s1, mask=cp < n_kd, other=-1).to(tl.int64)
+    loc = tl.load(ptopk_row + cp * ptopk_s1, mask=cp < n_kp, other=-1).to(tl.int64)
     row = out_ptr + t * out_s0
-    if t < Td:
-        for c0 in range(0, Wswa, BLOCK_W):
+    if is_dec:
+        _fi_decode_swa(vw, cw, Wswa, row, out_s1, SBS, SSPAN)
+        for c0 in range(BLOCK_W, Wswa, BLOCK_W):
             c = c0 + cw
-            m = c < Wswa
-            v = tl.load(dswa_ptr + t * dswa_s0 + c * dswa_s1, mask=m, other=-1).to(tl.int64)
-            tl.store(row + c * out_s1, _i32(_remap(v, SBS, SSPAN)), mask=m)
-        count = tl.zeros((BLOCK_P,), dtype=tl.int32)
-        for j0 in range(0, P, BLOCK_P):
+            v = tl.load(dswa_row + c * dswa_s1, mask=c < Wswa, other=-1).to(tl.int64)
+            _fi_decode_swa(v, c, Wswa, row, out_s1, SBS, SSPAN)
+        count = _fi_decode_comp(vp, cp, Kd, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
+                                CBS, CSPAN, LOCAL)
+        for j0 in range(BLOCK_P, P, BLOCK_P):
             j = j0 + cp
-            v = tl.load(dcomp_ptr + t * dcomp_s0 + j * dcomp_s1, mask=j < Kd, other=-1).to(tl.int64)
-            if LOCAL:
-                v = _lookup(cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, v, CBS)
-            o = tl.where(j < Kd, _i32(_remap(v, CBS, CSPAN)), -1)
-            tl.store(row + (Wswa + j) * out_s1, o, mask=j < P)
-            count += (o >= 0).to(tl.int32)
+            v = tl.load(dcomp_row + j * dcomp_s1, mask=j < Kd, other=-1).to(tl.int64)
+            count += _fi_decode_comp(v, j, Kd, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1,
+                                     r, CBS, CSPAN, LOCAL)
         if LOCAL:
             n = tl.sum(count, axis=0)
             if HAS_DVALID:
@@ -203,17 +301,18 @@ def flashinfer_kernel(
         sw = tl.minimum(tl.maximum(pos + 1, 0), WINDOW)
         s0 = pos - sw + 1
         tk = tl.minimum(tl.maximum(pos + 1, 0) // RATIO, TOPK)
-        for c0 in range(0, Wswa, BLOCK_W):
-            c = c0 + cw
-            s = _lookup(sbt_ptr, sbt_rows, sbt_cols, sbt_s0, sbt_s1, r, tl.where(c < sw, s0 + c, -1), SBS)
-            tl.store(row + c * out_s1, _i32(_remap(s, SBS, SSPAN)), mask=c < Wswa)
         kk = tl.minimum(tk, Kp)
-        tp = t - Td
-        for j0 in range(0, P, BLOCK_P):
+        # the compressed part first: its table lookups need only r and the preloaded indices
+        _fi_prefill_comp(loc, cp, kk, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
+                         CBS, CSPAN)
+        for j0 in range(BLOCK_P, P, BLOCK_P):
             j = j0 + cp
-            loc = tl.load(ptopk_ptr + tp * ptopk_s0 + j * ptopk_s1, mask=j < kk, other=-1).to(tl.int64)
-            s = _lookup(cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, loc, CBS)
-            tl.store(row + (Wswa + j) * out_s1, _i32(_remap(s, CBS, CSPAN)), mask=j < P)
+            lj = tl.load(ptopk_row + j * ptopk_s1, mask=j < kk, other=-1).to(tl.int64)
+            _fi_prefill_comp(lj, j, kk, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
+                             CBS, CSPAN)
+        for c0 in range(0, Wswa, BLOCK_W):
+            _fi_prefill_swa(c0 + cw, sw, s0, Wswa, row, out_s1, sbt_ptr, sbt_rows, sbt_cols, sbt_s0, sbt_s1, r,
+                            SBS, SSPAN)
         tl.store(lens_ptr + t * lens_s, (Wswa + tk).to(tl.int32))
 
 
@@ -270,14 +369,19 @@ LAUNCHERS = {"global": GLOBAL_LAUNCHER, "combine": COMBINE_LAUNCHER, "flashinfer
 
 
 # --- constexprs and runtime arguments (shared by the ops and the compile matrix) ------------------
-def _warps(target: platform.Target, block: int) -> int:
-    return platform.num_warps_for(target, block, per_thread=4)
+# int32 columns per lane (so warps per program) of each kernel, measured on an H100 (NOTES.md)
+PER_THREAD = {"global": 4, "combine": 32, "flashinfer": 4, "c128a": 4, "fill": 4}
+
+
+def _warps(target: platform.Target, block: int, kernel: str) -> int:
+    return platform.num_warps_for(target, block, per_thread=PER_THREAD[kernel])
 
 
 
 def global_constexprs(block_size: int, K: int, target: platform.Target) -> dict:
     block = block_for(K)
-    return dict(BS=block_size, BLOCK=block, PDL=platform.supports_pdl(target), num_warps=_warps(target, block))
+    return dict(BS=block_size, BLOCK=block, PDL=platform.supports_pdl(target),
+                num_warps=_warps(target, block, "global"))
 
 
 def global_runtime_args(topk, t2r, bt, valid, g, lens) -> tuple:
@@ -289,11 +393,11 @@ def combine_constexprs(window_size: int, compress_ratio: int, topk: int, write_u
                        target: platform.Target) -> dict:
     block = block_for(layout.combine_width(topk, window_size))
     return dict(WINDOW=window_size, RATIO=compress_ratio, TOPK=topk, WRITE_UNCOVERED=write_uncovered, BLOCK=block,
-                PDL=platform.supports_pdl(target), num_warps=_warps(target, block))
+                SEARCH=SEARCH, PDL=platform.supports_pdl(target), num_warps=_warps(target, block, "combine"))
 
 
 def combine_runtime_args(Rc: int, M: int, N: int, topk, qsl, seq, gl, out, lens) -> tuple:
-    return (Rc, max(Rc, 1).bit_length(), M, N, out.shape[1], *topk.stride(), qsl.stride(0), seq.stride(0),
+    return (Rc, layout.cdiv(Rc, SEARCH), M, N, out.shape[1], *topk.stride(), qsl.stride(0), seq.stride(0),
             gl.stride(0), *out.stride(), lens.stride(0))
 
 
@@ -304,7 +408,7 @@ def flashinfer_constexprs(swa_block_size, swa_span, compressed_block_size, compr
     return dict(SBS=swa_block_size, SSPAN=swa_span, CBS=compressed_block_size, CSPAN=compressed_span,
                 WINDOW=window_size, RATIO=compress_ratio, TOPK=topk, LOCAL=local, HAS_DLENS=has_dlens,
                 HAS_DVALID=has_dvalid, BLOCK_W=block_w, BLOCK_P=block_p, PDL=platform.supports_pdl(target),
-                num_warps=_warps(target, max(block_w, block_p)))
+                num_warps=_warps(target, max(block_w, block_p), "flashinfer"))
 
 
 def flashinfer_runtime_args(Td, Wswa, Kd, Kp, P, R, dswa, dcomp_strides, dlens_s, ptopk, qsl, seq, t2r, sbt, cbt,
@@ -317,7 +421,7 @@ def flashinfer_runtime_args(Td, Wswa, Kd, Kp, P, R, dswa, dcomp_strides, dlens_s
 def c128a_constexprs(compress_ratio: int, block_size: int, width: int, target: platform.Target) -> dict:
     block = block_for(width)
     return dict(RATIO=compress_ratio, BS=block_size, BLOCK=block, PDL=platform.supports_pdl(target),
-                num_warps=_warps(target, block))
+                num_warps=_warps(target, block, "c128a"))
 
 
 def c128a_runtime_args(Td, Wd, Wp, pos, t2r, bt, slot, g, dlens, pf) -> tuple:
@@ -328,7 +432,7 @@ def c128a_runtime_args(Td, Wd, Wp, pos, t2r, bt, slot, g, dlens, pf) -> tuple:
 def fill_constexprs(topk: int, compress_ratio: int, target: platform.Target) -> dict:
     block = block_for(topk)
     return dict(TOPK=topk, RATIO=compress_ratio, BLOCK=block, PDL=platform.supports_pdl(target),
-                num_warps=_warps(target, block))
+                num_warps=_warps(target, block, "fill"))
 
 
 def fill_runtime_args(topk_indices, positions) -> tuple:
@@ -387,7 +491,7 @@ def matrix_cases(target: platform.Target) -> list:
             C = layout.combine_width(topk, window)
             cases.append(_case(target, f"combine.topk{topk}.w{window}.r{ratio}.{'fresh' if write_uncovered else 'out'}",
                                combine_kernel, (Ptr(i32),) * 6,
-                               (5, 3, 1000, 500, C, max(topk, 1), 1, 1, 1, 1, C, 1, 1), meta))
+                               (5, 1, 1000, 500, C, max(topk, 1), 1, 1, 1, 1, C, 1, 1), meta))
     for pos_dtype in (i32, i64):
         for topk, ratio in ((512, 4), (1024, 4), (8192, 128)):
             meta = fill_constexprs(topk, ratio, target)

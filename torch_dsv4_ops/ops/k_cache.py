@@ -113,10 +113,11 @@ def _insert_plan(k, k_cache, slot_mapping, block_size, is_ue8m0, use_fnuz):
     if tokens == 0:
         return None
     target = platform.target_for(k_cache.device)
-    meta = kernels.launch_options(kernels.insert_constexprs(block_size, use_fnuz, target))
-    ints = kernels.insert_runtime_args(k.stride(0), slot_mapping.stride(0), num_slots, block_stride)
-    return kernels.INSERT_LAUNCHER.bind((tokens,), (torch.bfloat16, torch.uint8, slot_mapping.dtype), ints, meta,
-                                        k_cache.device)
+    per_program = kernels.insert_tokens(tokens)
+    meta = kernels.launch_options(kernels.insert_constexprs(block_size, use_fnuz, target, per_program))
+    ints = kernels.insert_runtime_args(tokens, k.stride(0), slot_mapping.stride(0), num_slots, block_stride)
+    return kernels.INSERT_LAUNCHER.bind((layout.cdiv(tokens, per_program),), (torch.bfloat16, torch.uint8,
+                                        slot_mapping.dtype), ints, meta, k_cache.device)
 
 
 def _insert_kernel(k, k_cache, slot_mapping, block_size=64, is_ue8m0=True, use_fnuz=False):
@@ -147,7 +148,7 @@ def _gather_plan(out, k_cache, seq_lens, gather_lens, block_table, block_size, o
         return None
     target = platform.target_for(k_cache.device)
     has_gather = gather_lens is not None
-    meta = kernels.launch_options(kernels.gather_constexprs(block_size, use_fnuz, has_gather, target))
+    meta = kernels.launch_options(kernels.gather_constexprs(block_size, use_fnuz, has_gather, target, width))
     ints = kernels.gather_runtime_args(seq_lens.stride(0), gather_lens.stride(0) if has_gather else 0,
                                        out.stride(), block_table.stride(), block_table.shape[1], nb, block_stride,
                                        width, offset)

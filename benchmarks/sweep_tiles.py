@@ -1,0 +1,89 @@
+"""Tile/warp/prefetch sweep of the k_cache and sparse_index kernels on a GPU, one command:
+
+    python -m benchmarks.sweep_tiles --out DIR [--only k_cache|sparse_index]
+
+For each variant (module-level tile settings of `kernels/k_cache.py` or `kernels/sparse_index.py`,
+set for the variant and restored after), the plan caches are emptied and the family's benchmark cases
+of interest are timed with the benchmark harness (same build, timing method and reference check as
+`benchmarks.run`). Writes DIR/sweep_tiles.json and prints one line per (variant, case). The chosen
+settings are the modules' defaults; this records why.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from torch_dsv4_ops.kernels import k_cache as kk
+from torch_dsv4_ops.kernels import sparse_index as ks
+from torch_dsv4_ops.ops import k_cache as ok
+from torch_dsv4_ops.ops import sparse_index as osi
+
+from . import bench_k_cache as bk
+from . import bench_sparse_index as bs
+from . import harness
+
+
+def _k_cache_plan():
+    insert = [bk._case(bk.Spec("insert", T=t), series=False) for t in (65536, 64)]
+    gather = [bk._case(bk.Spec("gather", R=16, L=8192), series=False),
+              bk._case(bk.Spec("gather", R=16, L=128, window=True), series=False)]
+    plans = []
+    for tokens, warps in ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (8, 4), (8, 8)):
+        plans.append(({"INSERT_TOKENS": tokens, "INSERT_SMALL": 0, "INSERT_MAX_WARPS": warps}, insert))
+    for block_t, warps in ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (8, 2), (8, 4), (8, 8), (16, 4)):
+        plans.append(({"BLOCK_T": block_t, "BLOCK_T_NARROW": block_t, "GATHER_MAX_WARPS": warps}, gather))
+    return kk, (ok._INSERT_PLANS, ok._GATHER_PLANS), plans
+
+
+def _sparse_plan():
+    big = [bs._case(s) for s in bs.headline_specs()]
+    small = [bs._case(bs.Spec(op, t)) for op in bs.OPS for t in (64, 256)]
+    plans = []
+    base = dict(ks.PER_THREAD)
+    for combine, search in ((4, 256), (8, 256), (16, 256), (32, 256), (32, 64)):
+        plans.append(({"PER_THREAD": {**base, "combine": combine}, "SEARCH": search}, big + small))
+    return ks, (osi._PLANS,), plans
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", choices=("k_cache", "sparse_index"))
+    args = p.parse_args()
+    device = torch.device("cuda")
+    ceiling = harness.copy_ceiling(device)
+    gbps = ceiling["gbps"] if isinstance(ceiling, dict) else ceiling
+    print("copy ceiling", ceiling, flush=True)
+    rows = []
+    families = {"k_cache": _k_cache_plan, "sparse_index": _sparse_plan}
+    for fam, make in families.items():
+        if args.only and args.only != fam:
+            continue
+        module, caches, plans = make()
+        for settings, cases in plans:
+            saved = {k: getattr(module, k) for k in settings}
+            for k, v in settings.items():
+                setattr(module, k, v)
+            for c in caches:
+                c.clear()
+            try:
+                for case in cases:
+                    rec = harness.run_case(case, device, gbps)
+                    rec["settings"] = settings
+                    rows.append(rec)
+                    print(f"{fam:12s} {json.dumps(settings):70s} {case.name:28s} {rec.get('us', 'ERR')!s:>9} us "
+                          f"{rec.get('pct_of_copy', '')!s:>7} % {rec.get('check', rec.get('error', ''))}", flush=True)
+            finally:
+                for k, v in saved.items():
+                    setattr(module, k, v)
+                for c in caches:
+                    c.clear()
+        with open(os.path.join(args.out, "sweep_tiles.json"), "w") as f:
+            json.dump({"ceiling": ceiling, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
