@@ -1,4 +1,4 @@
-"""Tile/warp/prefetch sweep of the k_cache and sparse_index kernels on a GPU, one command:
+"""Tile and warp sweep of the k_cache and sparse_index kernels on a GPU, one command:
 
     python -m benchmarks.sweep_tiles --out DIR [--only k_cache|sparse_index]
 
@@ -55,7 +55,6 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cuda")
     ceiling = harness.copy_ceiling(device)
-    gbps = ceiling["gbps"] if isinstance(ceiling, dict) else ceiling
     print("copy ceiling", ceiling, flush=True)
     rows = []
     families = {"k_cache": _k_cache_plan, "sparse_index": _sparse_plan}
@@ -71,7 +70,7 @@ def main() -> None:
                 c.clear()
             try:
                 for case in cases:
-                    rec = harness.run_case(case, device, gbps)
+                    rec = harness.run_case(case, device, ceiling["gbps"])
                     rec["settings"] = settings
                     rows.append(rec)
                     print(f"{fam:12s} {json.dumps(settings):70s} {case.name:28s} {rec.get('us', 'ERR')!s:>9} us "

@@ -25,7 +25,7 @@ if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL i
 else:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-INT32_MAX = layout.INDEX_INT32_MAX
+INT32_MAX = tl.constexpr(layout.INDEX_INT32_MAX)   # usable inside kernels
 MAX_BLOCK = 1024          # columns per tile, at most
 MIN_BLOCK = 16
 
@@ -45,7 +45,7 @@ def _pdl_start(PDL: tl.constexpr):
 @triton.jit
 def _i32(v):
     """int64 -> int32 output value: -1 where negative or past INT32_MAX."""
-    return tl.where((v >= 0) & (v <= 2147483647), v, -1).to(tl.int32)
+    return tl.where((v >= 0) & (v <= INT32_MAX), v, -1).to(tl.int32)
 
 
 @triton.jit
@@ -178,12 +178,12 @@ def combine_kernel(
     # w = pos - sw + 1 + i - (seq - gl), for w >= 0 and N + w < M; -1 elsewhere and wherever the value
     # is negative or past INT32_MAX. As int32 column/index limits of this row:
     mb = M * b
-    top_lo = _clamp32(-mb, 2147483647)
-    top_lim = _clamp32(tl.minimum(N, 2147483647 - mb + 1), 2147483647)
+    top_lo = _clamp32(-mb, INT32_MAX)
+    top_lim = _clamp32(tl.minimum(N, INT32_MAX - mb + 1), INT32_MAX)
     w0 = pos - sw + 1 - tk - (seq - gl)            # w of column c is w0 + c
     swa_base = mb + N + w0                          # the value of column c is swa_base + c
     swa_lo = _clamp32(tl.maximum(tl.maximum(-w0, -swa_base), tk), width)
-    swa_hi = _clamp32(tl.minimum(tl.minimum(tk + sw, M - N - w0), 2147483647 - swa_base + 1), width)
+    swa_hi = _clamp32(tl.minimum(tl.minimum(tk + sw, M - N - w0), INT32_MAX - swa_base + 1), width)
     top_base = mb.to(tl.int32)                      # wraps only where no column uses it
     swa_base = swa_base.to(tl.int32)
     tk32 = tk.to(tl.int32)
