@@ -24,6 +24,15 @@ from .ops.k_cache import (
     dequantize_and_gather_k_cache,
     quantize_and_insert_k_cache,
 )
+from .ops.metadata import (
+    compute_dspark_noncausal_swa_indices_and_lens,
+    compute_prefill_gather_lens,
+    compute_swa_indices_and_lens,
+    fill_prefill_chunk_metadata,
+    get_compressed_slot_mapping,
+    prepare_uniform_decode,
+    prepare_varlen_decode,
+)
 
 __version__ = "0.1.0"
 
@@ -34,4 +43,6 @@ __all__ = [
     "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache",
     "build_c128a_topk_metadata", "build_flashinfer_mixed_sparse_indices", "combine_topk_swa_indices",
     "compute_global_topk_indices_and_lens", "fill_short_context_topk_indices",
+    "get_compressed_slot_mapping", "compute_swa_indices_and_lens", "compute_dspark_noncausal_swa_indices_and_lens",
+    "compute_prefill_gather_lens", "prepare_uniform_decode", "prepare_varlen_decode", "fill_prefill_chunk_metadata",
 ]

@@ -40,6 +40,7 @@ MATRIX_MODULES = (
     "torch_dsv4_ops.kernels.cache",
     "torch_dsv4_ops.kernels.k_cache",
     "torch_dsv4_ops.kernels.sparse_index",
+    "torch_dsv4_ops.kernels.metadata",
 )
 
 _FP8_INSTRUCTION = {
