@@ -125,6 +125,24 @@ inline void combine_topk_swa_indices_out(
   return op.call(topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk, M, N, out_indices, out_lens);
 }
 
+// dsv4::compute_dspark_noncausal_swa_indices_and_lens(Tensor(a!) swa_indices, Tensor(b!) swa_lens, int window_size, Tensor query_start_loc, Tensor seq_lens, Tensor token_to_req_indices, Tensor is_valid_token, Tensor block_table, int block_size, SymInt token_offset=0) -> ()
+inline void compute_dspark_noncausal_swa_indices_and_lens(
+    at::Tensor& swa_indices,
+    at::Tensor& swa_lens,
+    int64_t window_size,
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    const at::Tensor& token_to_req_indices,
+    const at::Tensor& is_valid_token,
+    const at::Tensor& block_table,
+    int64_t block_size,
+    c10::SymInt token_offset /* = 0 */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::compute_dspark_noncausal_swa_indices_and_lens", "")
+      .typed<void(at::Tensor&, at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::SymInt)>();
+  return op.call(swa_indices, swa_lens, window_size, query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table, block_size, token_offset);
+}
+
 // dsv4::compute_global_topk_indices_and_lens(Tensor topk_indices, Tensor token_to_req_indices, Tensor block_table, int block_size, Tensor is_valid_token) -> (Tensor, Tensor)
 inline std::tuple<at::Tensor, at::Tensor> compute_global_topk_indices_and_lens(
     const at::Tensor& topk_indices,
@@ -153,6 +171,51 @@ inline void compute_global_topk_indices_and_lens_out(
   return op.call(topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, global_out, lens_out);
 }
 
+// dsv4::compute_prefill_gather_lens(Tensor seq_lens, Tensor query_start_loc, SymInt num_decodes, SymInt num_prefills, int window_size) -> Tensor
+inline at::Tensor compute_prefill_gather_lens(
+    const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc,
+    c10::SymInt num_decodes,
+    c10::SymInt num_prefills,
+    int64_t window_size) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::compute_prefill_gather_lens", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymInt, c10::SymInt, int64_t)>();
+  return op.call(seq_lens, query_start_loc, num_decodes, num_prefills, window_size);
+}
+
+// dsv4::compute_prefill_gather_lens_out(Tensor seq_lens, Tensor query_start_loc, SymInt num_decodes, SymInt num_prefills, int window_size, Tensor(a!) out) -> ()
+inline void compute_prefill_gather_lens_out(
+    const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc,
+    c10::SymInt num_decodes,
+    c10::SymInt num_prefills,
+    int64_t window_size,
+    at::Tensor& out) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::compute_prefill_gather_lens_out", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, c10::SymInt, c10::SymInt, int64_t, at::Tensor&)>();
+  return op.call(seq_lens, query_start_loc, num_decodes, num_prefills, window_size, out);
+}
+
+// dsv4::compute_swa_indices_and_lens(Tensor(a!) swa_indices, Tensor(b!) swa_lens, int window_size, Tensor query_start_loc, Tensor seq_lens, Tensor token_to_req_indices, Tensor is_valid_token, Tensor block_table, int block_size, SymInt token_offset=0) -> ()
+inline void compute_swa_indices_and_lens(
+    at::Tensor& swa_indices,
+    at::Tensor& swa_lens,
+    int64_t window_size,
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    const at::Tensor& token_to_req_indices,
+    const at::Tensor& is_valid_token,
+    const at::Tensor& block_table,
+    int64_t block_size,
+    c10::SymInt token_offset /* = 0 */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::compute_swa_indices_and_lens", "")
+      .typed<void(at::Tensor&, at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::SymInt)>();
+  return op.call(swa_indices, swa_lens, window_size, query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table, block_size, token_offset);
+}
+
 // dsv4::dequantize_and_gather_k_cache(Tensor(a!) out, Tensor k_cache, Tensor seq_lens, Tensor? gather_lens, Tensor block_table, int block_size, int offset, bool use_fnuz=False) -> ()
 inline void dequantize_and_gather_k_cache(
     at::Tensor& out,
@@ -169,6 +232,29 @@ inline void dequantize_and_gather_k_cache(
   return op.call(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset, use_fnuz);
 }
 
+// dsv4::fill_prefill_chunk_metadata(Tensor query_start_loc, Tensor uncompressed_seq_lens, Tensor compressed_seq_lens, SymInt start_idx, SymInt end_idx, SymInt query_start, SymInt query_end, int compress_ratio, int dcp_rank, int dcp_world_size, int cp_kv_cache_interleave_size, Tensor(a!) cu_seq_lens, Tensor(b!) cu_seqlen_ks, Tensor(c!) cu_seqlen_ke, Tensor(d!) token_to_seq) -> ()
+inline void fill_prefill_chunk_metadata(
+    const at::Tensor& query_start_loc,
+    const at::Tensor& uncompressed_seq_lens,
+    const at::Tensor& compressed_seq_lens,
+    c10::SymInt start_idx,
+    c10::SymInt end_idx,
+    c10::SymInt query_start,
+    c10::SymInt query_end,
+    int64_t compress_ratio,
+    int64_t dcp_rank,
+    int64_t dcp_world_size,
+    int64_t cp_kv_cache_interleave_size,
+    at::Tensor& cu_seq_lens,
+    at::Tensor& cu_seqlen_ks,
+    at::Tensor& cu_seqlen_ke,
+    at::Tensor& token_to_seq) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::fill_prefill_chunk_metadata", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt, int64_t, int64_t, int64_t, int64_t, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&)>();
+  return op.call(query_start_loc, uncompressed_seq_lens, compressed_seq_lens, start_idx, end_idx, query_start, query_end, compress_ratio, dcp_rank, dcp_world_size, cp_kv_cache_interleave_size, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke, token_to_seq);
+}
+
 // dsv4::fill_short_context_topk_indices(Tensor(a!) topk_indices, Tensor positions, int topk, int compress_ratio) -> ()
 inline void fill_short_context_topk_indices(
     at::Tensor& topk_indices,
@@ -179,6 +265,67 @@ inline void fill_short_context_topk_indices(
       .findSchemaOrThrow("dsv4::fill_short_context_topk_indices", "")
       .typed<void(at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
   return op.call(topk_indices, positions, topk, compress_ratio);
+}
+
+// dsv4::get_compressed_slot_mapping(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio) -> Tensor
+inline at::Tensor get_compressed_slot_mapping(
+    c10::SymInt num_tokens,
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    const at::Tensor& block_table,
+    int64_t block_size,
+    int64_t compress_ratio) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::get_compressed_slot_mapping", "")
+      .typed<at::Tensor(c10::SymInt, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  return op.call(num_tokens, query_start_loc, seq_lens, block_table, block_size, compress_ratio);
+}
+
+// dsv4::get_compressed_slot_mapping_out(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio, Tensor(a!) out) -> ()
+inline void get_compressed_slot_mapping_out(
+    c10::SymInt num_tokens,
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    const at::Tensor& block_table,
+    int64_t block_size,
+    int64_t compress_ratio,
+    at::Tensor& out) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::get_compressed_slot_mapping_out", "")
+      .typed<void(c10::SymInt, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, at::Tensor&)>();
+  return op.call(num_tokens, query_start_loc, seq_lens, block_table, block_size, compress_ratio, out);
+}
+
+// dsv4::prepare_uniform_decode(Tensor seq_lens, Tensor(a!) decode_seq_lens, Tensor block_table, Tensor(b!) expanded_block_table, Tensor(c!) decode_lens, SymInt max_decode_len, SymInt num_decode_tokens) -> ()
+inline void prepare_uniform_decode(
+    const at::Tensor& seq_lens,
+    at::Tensor& decode_seq_lens,
+    const at::Tensor& block_table,
+    at::Tensor& expanded_block_table,
+    at::Tensor& decode_lens,
+    c10::SymInt max_decode_len,
+    c10::SymInt num_decode_tokens) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::prepare_uniform_decode", "")
+      .typed<void(const at::Tensor&, at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, c10::SymInt, c10::SymInt)>();
+  return op.call(seq_lens, decode_seq_lens, block_table, expanded_block_table, decode_lens, max_decode_len, num_decode_tokens);
+}
+
+// dsv4::prepare_varlen_decode(Tensor query_start_loc, Tensor seq_lens, Tensor block_table, Tensor(a!) decode_seq_lens, Tensor(b!) expanded_block_table, Tensor(c!) decode_lens, Tensor(d!) decode_indices, SymInt num_decodes, SymInt num_decode_tokens) -> ()
+inline void prepare_varlen_decode(
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    const at::Tensor& block_table,
+    at::Tensor& decode_seq_lens,
+    at::Tensor& expanded_block_table,
+    at::Tensor& decode_lens,
+    at::Tensor& decode_indices,
+    c10::SymInt num_decodes,
+    c10::SymInt num_decode_tokens) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::prepare_varlen_decode", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, c10::SymInt, c10::SymInt)>();
+  return op.call(query_start_loc, seq_lens, block_table, decode_seq_lens, expanded_block_table, decode_lens, decode_indices, num_decodes, num_decode_tokens);
 }
 
 // dsv4::quantize_and_insert_k_cache(Tensor k, Tensor(a!) k_cache, Tensor slot_mapping, int block_size=64, bool is_ue8m0=True, bool use_fnuz=False) -> ()

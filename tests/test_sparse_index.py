@@ -10,45 +10,23 @@ import pytest
 import torch
 
 import torch_dsv4_ops as d
-from torch_dsv4_ops import layout, platform
+from torch_dsv4_ops import layout
 from torch_dsv4_ops.kernels import sparse_index as kernels
-from torch_dsv4_ops.testing import (assert_bitwise_equal, check_compile, check_cuda_graph, run_opcheck,
-                                    sync_debug_error, triton_cache_entries)
+from torch_dsv4_ops.testing import (as_list, assert_bitwise_equal, check_compile, check_cuda_graph, i32,
+                                    implementation, oracle_lookup, run_opcheck, sync_debug_error,
+                                    triton_cache_entries)
 
 OPS = torch.ops.dsv4
 I32MAX = 2**31 - 1
 IMPLS = ["kernel", "reference"]
 
 
-def impl_ctx(impl, device):
-    if impl == "reference":
-        if device.type != "cpu":
-            pytest.skip("the reference is the CPU implementation")
-        return d.cpu_implementation("reference")
-    if device.type == "cpu" and not platform.INTERPRET:
-        pytest.skip("CPU tensors run the Triton kernel only under the interpreter")
-    return d.cpu_implementation("triton") if device.type == "cpu" else contextlib.nullcontext()
-
-
-def i32(rows, device="cpu"):
-    return torch.tensor(rows, dtype=torch.int32, device=device)
-
-
-def L(t):
-    return t.cpu().tolist()
+impl_ctx, L = implementation, as_list
 
 
 # --- the independent oracle (plain Python over lists, written from SPEC's pseudo-code) -----------
 def o_lookup(bt, r, p, bs):
-    if not (0 <= r < len(bt)) or p < 0:
-        return -1
-    col = p // bs
-    if col >= len(bt[r]):
-        return -1
-    blk = bt[r][col]
-    if blk < 0:
-        return -1
-    return blk * bs + p % bs
+    return oracle_lookup(bt, r, p, bs, int32=False)
 
 
 def o32(v):

@@ -215,3 +215,49 @@ def nonzero_share(t: torch.Tensor) -> float:
     """Fraction of non-zero bytes: guards against fp8 caches that silently hold only zeros."""
     b = as_bytes(t.cpu())
     return float((b != 0).float().mean()) if b.numel() else 0.0
+
+
+# --- index-op tests: which implementation runs, plain-Python oracles ----------------------------------
+INT32_MAX = 2**31 - 1
+
+
+def implementation(impl: str, device: torch.device):
+    """Context that runs ops through `impl` ("kernel" or "reference") on `device`. The reference is
+    the CPU implementation; CPU tensors run the Triton kernel only under the interpreter. Skips the
+    calling pytest test where the pair cannot run."""
+    import pytest
+
+    from . import platform
+    from .library import cpu_implementation
+
+    if impl == "reference":
+        if device.type != "cpu":
+            pytest.skip("the reference is the CPU implementation")
+        return cpu_implementation("reference")
+    if device.type == "cpu" and not platform.INTERPRET:
+        pytest.skip("CPU tensors run the Triton kernel only under the interpreter")
+    return cpu_implementation("triton") if device.type == "cpu" else contextlib.nullcontext()
+
+
+def i32(rows, device="cpu") -> torch.Tensor:
+    """An int32 tensor of nested lists."""
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def as_list(t: torch.Tensor) -> list:
+    return t.cpu().tolist()
+
+
+def oracle_lookup(bt: list, r: int, p: int, bs: int, int32: bool = True) -> int:
+    """SPEC §0 `lookup` over a block table given as lists (no num_blocks); with `int32`, slots past
+    INT32_MAX are -1."""
+    if not (0 <= r < len(bt)) or p < 0:
+        return -1
+    col = p // bs
+    if col >= len(bt[r]):
+        return -1
+    blk = bt[r][col]
+    if blk < 0:
+        return -1
+    s = blk * bs + p % bs
+    return s if not int32 or s <= INT32_MAX else -1

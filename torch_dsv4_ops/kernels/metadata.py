@@ -73,9 +73,9 @@ def swa_kernel(
     valid = tl.load(valid_ptr + t * valid_s) != 0
     ok = valid & (r >= 0) & (r < R)
     rr = tl.where(ok, r, 0)
-    qs = tl.load(qsl_ptr + rr * qsl_s).to(tl.int64)
-    qe = tl.load(qsl_ptr + (rr + 1) * qsl_s).to(tl.int64)
-    seq = tl.load(seq_ptr + rr * seq_s).to(tl.int64)
+    qs = tl.load(qsl_ptr + rr * qsl_s, mask=ok, other=0).to(tl.int64)
+    qe = tl.load(qsl_ptr + (rr + 1) * qsl_s, mask=ok, other=0).to(tl.int64)
+    seq = tl.load(seq_ptr + rr * seq_s, mask=ok, other=0).to(tl.int64)
     prefix = seq - (qe - qs)
     pos = prefix + (t - qs)
     ok = ok & (pos >= 0)
