@@ -19,6 +19,7 @@ FAMILIES = {
     "cache": "benchmarks.bench_cache",
     "k_cache": "benchmarks.bench_k_cache",
     "sparse_index": "benchmarks.bench_sparse_index",
+    "metadata": "benchmarks.bench_metadata",
 }
 
 

@@ -1,6 +1,7 @@
 """torch_dsv4_ops: DeepSeek-V4 attention plumbing as `torch.ops.dsv4.*` custom ops.
 
-Importing the package registers every op. Each op has a Triton kernel (CUDA and ROCm), a
+Importing the package registers every op; the host planners and metadata builders (plain Python
+over the ops) are importable from here too. Each op has a Triton kernel (CUDA and ROCm), a
 pure-torch CPU reference and a fake, so it runs eagerly, under torch.compile(fullgraph=True)
 and in CUDA graphs. docs/ops/ specifies the behaviour of every op.
 """
@@ -33,6 +34,22 @@ from .ops.metadata import (
     prepare_uniform_decode,
     prepare_varlen_decode,
 )
+from .metadata import (
+    BatchDescription,
+    DeepseekSparseSWAMetadata,
+    DeepSeekV32IndexerDecodeMetadata,
+    DeepseekV32IndexerMetadata,
+    DeepseekV32IndexerPrefillChunkMetadata,
+    DeepseekV32IndexerPrefillMetadata,
+    IndexerMetadataBuilder,
+    SWAMetadataBuilder,
+    build_prefill_chunk_metadata,
+    get_dspark_swa_index_width,
+    get_max_prefill_buffer_size,
+    get_prefill_chunk_plan,
+    split_decodes_and_prefills,
+    split_indexer_prefill_chunks,
+)
 
 __version__ = "0.1.0"
 
@@ -45,4 +62,9 @@ __all__ = [
     "compute_global_topk_indices_and_lens", "fill_short_context_topk_indices",
     "get_compressed_slot_mapping", "compute_swa_indices_and_lens", "compute_dspark_noncausal_swa_indices_and_lens",
     "compute_prefill_gather_lens", "prepare_uniform_decode", "prepare_varlen_decode", "fill_prefill_chunk_metadata",
+    "split_decodes_and_prefills", "split_indexer_prefill_chunks", "get_prefill_chunk_plan",
+    "get_dspark_swa_index_width", "get_max_prefill_buffer_size", "build_prefill_chunk_metadata",
+    "BatchDescription", "DeepseekSparseSWAMetadata", "DeepSeekV32IndexerDecodeMetadata", "DeepseekV32IndexerMetadata",
+    "DeepseekV32IndexerPrefillChunkMetadata", "DeepseekV32IndexerPrefillMetadata", "SWAMetadataBuilder",
+    "IndexerMetadataBuilder",
 ]

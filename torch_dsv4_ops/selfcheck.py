@@ -1,6 +1,7 @@
 """The main job's self-check: every registered op's Triton kernel on the best device present
 (compiled on a GPU, under Triton's interpreter on the CPU), against the pure-torch reference on
-the CPU, byte for byte, timed. `python -m torch_dsv4_ops` prints the table."""
+the CPU, byte for byte, timed; then one metadata step (both builders on a mixed batch) the same
+way. `python -m torch_dsv4_ops` prints the table."""
 from __future__ import annotations
 
 import contextlib
@@ -84,14 +85,93 @@ def run(device: torch.device | None = None) -> list[Row]:
             dev_args = _to(args, device)
             ref_args = _to(args, "cpu")
             with library.cpu_implementation("reference"):
-                card.op(*ref_args)
+                ref_out = card.op(*ref_args)
             with library.cpu_implementation("triton") if cpu_kernels else contextlib.nullcontext():
-                card.op(*dev_args)
+                dev_out = card.op(*dev_args)
                 errors = [_compare(dev_args[i], ref_args[i]) for i in card.mutated]
+                errors += [_compare(g, w) for g, w in zip(_tensors(dev_out), _tensors(ref_out))]
                 error = "exact" if all(e == "exact" for e in errors) else "; ".join(e for e in errors if e != "exact")
                 t = _time_us(lambda: card.op(*dev_args), device)
             rows.append(Row(name, label, str(device), impl, error, t, error == "exact"))
+    rows.append(metadata_step(device))
     return rows
+
+
+def _tensors(x) -> list:
+    """The tensors of an op's return value, or of a metadata dataclass (recursively), in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    if dataclasses.is_dataclass(x):
+        return [t for f in dataclasses.fields(x) for t in _tensors(getattr(x, f.name))]
+    return []
+
+
+def metadata_step_batches(device, decodes: int = 6, prefill_lens=(37, 300), seed: int = 0):
+    """(SWA-group batch, indexer-group batch) of one mixed step: `decodes` MTP decodes (2 query
+    tokens), then prefills; the two groups share the requests and have their own block tables
+    (SWA: 64 tokens per block; indexer: storage block 64, ratio 4)."""
+    from .metadata import BatchDescription
+
+    g = torch.Generator().manual_seed(seed)
+    q = [2] * decodes + list(prefill_lens)
+    seq = [int(torch.randint(2, 5000, (1,), generator=g)) for _ in range(decodes)] + \
+          [n + int(torch.randint(0, 300, (1,), generator=g)) for n in prefill_lens]
+    qsl = torch.tensor([0] + torch.tensor(q).cumsum(0).tolist(), dtype=torch.int32)
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(seq, q)])
+    req = torch.repeat_interleave(torch.arange(len(q)), torch.tensor(q))
+    seq_t = torch.tensor(seq, dtype=torch.int32)
+    batches = []
+    for tokens_per_block in (64, 256):
+        table = torch.randint(-1, 20000, (len(q), 5000 // tokens_per_block + 2), generator=g, dtype=torch.int32)
+        slots = table[req, positions // tokens_per_block].long() * tokens_per_block + positions % tokens_per_block
+        batches.append(BatchDescription(
+            query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq_t.to(device),
+            seq_lens_cpu_upper_bound=seq_t, block_table=table.to(device), slot_mapping=slots.to(device),
+            num_actual_tokens=int(qsl[-1]), max_query_len=max(q), max_seq_len=max(seq),
+            positions=positions.to(device)))
+    return tuple(batches)
+
+
+def metadata_step_builders(device, batches):
+    """An SWAMetadataBuilder and an IndexerMetadataBuilder (window 128, MTP 1, ratio 4) for `batches`."""
+    from .metadata import IndexerMetadataBuilder, SWAMetadataBuilder
+
+    tokens = batches[0].slot_mapping.shape[0]
+    swa = SWAMetadataBuilder(max_num_batched_tokens=tokens, max_num_seqs=16, window_size=128, max_model_len=8192,
+                             num_speculative_tokens=1, device=device)
+    indexer = IndexerMetadataBuilder(max_num_batched_tokens=tokens, max_num_seqs=16,
+                                     block_table_width=batches[1].block_table.shape[1], max_model_len=8192,
+                                     compress_ratio=4, num_speculative_tokens=1, device=device)
+    return swa, indexer
+
+
+def metadata_step(device: torch.device) -> Row:
+    """Both builders on one mixed step on `device`, every tensor of both metadata sets against builders
+    running the CPU reference."""
+    def build(dev, ctx):
+        batches = metadata_step_batches(dev)
+        swa, indexer = metadata_step_builders(dev, batches)
+        with ctx:
+            return swa.build(batches[0]), indexer.build(batches[1])
+
+    def kernels():
+        return library.cpu_implementation("triton") if device.type == "cpu" and platform.INTERPRET \
+            else contextlib.nullcontext()
+
+    want = _tensors(build("cpu", library.cpu_implementation("reference")))
+    got = _tensors(build(device, kernels()))
+    errors = [_compare(g, w) for g, w in zip(got, want)]
+    if len(got) != len(want):
+        errors.append(f"{len(got)} tensors against {len(want)}")
+    error = "exact" if all(e == "exact" for e in errors) else "; ".join(e for e in errors if e != "exact")
+    batches = metadata_step_batches(device)
+    swa, indexer = metadata_step_builders(device, batches)
+    with kernels():
+        t = _time_us(lambda: (swa.build(batches[0]), indexer.build(batches[1])), device)
+    return Row("metadata step (SWA + indexer builders)", "6 MTP decodes + prefills of 37 and 300", str(device),
+               f"{implementation_name(device)} vs torch reference (cpu)", error, t, error == "exact")
 
 
 def format_table(rows: list[Row]) -> str:
