@@ -161,11 +161,17 @@ def extras(device: torch.device, quick: bool) -> dict:
         builders = make_builders(device)
         batches = make_batches(step, device, 0)
         calls, rounds = (300, 7) if device.type == "cuda" and not quick else (20, 3)
-        per_round = harness.host_us_rounds({"build": lambda: run_step(builders, batches)}, device, calls, rounds,
-                                           warmup=20)["build"]
-        rec = {"host_us_per_step": harness.sig(statistics.median(per_round)),
-               "host_us_per_round": [harness.sig(x) for x in per_round],
-               "method": f"rounds of {calls} eager steps (SWA + indexer build) + one synchronize; median"}
+        swa, indexer = builders
+        per_round = harness.host_us_rounds({"step": lambda: run_step(builders, batches),
+                                            "swa": lambda: swa.build(batches[0]),
+                                            "indexer": lambda: indexer.build(batches[1])},
+                                           device, calls, rounds, warmup=20)
+        rec = {"host_us_per_step": harness.sig(statistics.median(per_round["step"])),
+               "host_us_per_round": [harness.sig(x) for x in per_round["step"]],
+               "host_us_swa_build": harness.sig(statistics.median(per_round["swa"])),
+               "host_us_indexer_build": harness.sig(statistics.median(per_round["indexer"])),
+               "method": f"rounds of {calls} eager calls + one synchronize, the step (SWA + indexer build) and "
+                         "each build alone in turn within each round; medians over rounds"}
         if device.type == "cuda":
             try:
                 rec["gpu_activities_per_step"] = gpu_activities(lambda: run_step(builders, batches))

@@ -10,6 +10,7 @@ import contextlib
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -541,7 +542,8 @@ def test_fast_split_equals_planner():
         batch = SimpleNamespace(query_start_loc_cpu=i32(qsl), max_query_len=s.max_query_len, num_actual_tokens=s.T)
         for thr in (1, 2, 4):
             for uniform in (False, True):
-                assert _split(batch, len(q), q, thr, uniform) == o_split(s, thr, uniform), (q, thr, uniform)
+                got = _split(batch, len(q), np.array(q, dtype=np.int64), thr, uniform)
+                assert got == o_split(s, thr, uniform), (q, thr, uniform)
 
 
 def _tensors(builder):
