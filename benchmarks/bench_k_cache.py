@@ -4,8 +4,9 @@ Bytes one call must move:
 * insert: per token 1024 B of bf16 K read and 584 B of cache written (slot_mapping: 8 B more);
 * gather: per gathered token 584 B of cache read and 1024 B of bf16 written (table, lengths: a
   few bytes per request).
-Insert slots are a random permutation of the cache's slots (block size 64, padded pages); gather
-tables hold random physical blocks.
+Insert slots are a random permutation of the cache's slots (block size 64, padded pages), plus one
+probe with consecutive slots (the cost of random writes; not a target); gather tables hold random
+physical blocks.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class Spec:
     L: int = 0                # gather tokens per request
     use_fnuz: bool = False
     window: bool = False      # gather: the last L tokens of longer sequences, written at an offset
+    sequential: bool = False  # insert: consecutive slots (a probe of the random-write cost; not a target)
 
     @property
     def series(self) -> str:
@@ -50,12 +52,14 @@ class Spec:
 
     @property
     def name(self) -> str:
-        return f"{self.series} T={self.T}" if self.op == "insert" else f"{self.series} R={self.R} L={self.L}"
+        if self.op == "insert":
+            return f"{self.series} T={self.T}" + (" sequential slots" if self.sequential else "")
+        return f"{self.series} R={self.R} L={self.L}"
 
     def params(self) -> dict:
         p = dict(op=self.op, block_size=BS, use_fnuz=self.use_fnuz, block_stride=layout.ds_mla_block_stride(BS))
         if self.op == "insert":
-            p.update(T=self.T, slots="random unique")
+            p.update(T=self.T, slots="consecutive" if self.sequential else "random unique")
         else:
             p.update(T=self.R * self.L, R=self.R, L=self.L, window=self.window, table="random physical blocks")
         return p
@@ -79,7 +83,10 @@ def build_insert(s: Spec, device) -> harness.Workload:
     nsets = harness.rotation_sets(set_bytes, device)
     num_blocks = layout.cdiv(2 * s.T * nsets, BS)
     ks = [(torch.randn(s.T, layout.HEAD_DIM, device=device) * 3).to(torch.bfloat16) for _ in range(nsets)]
-    slots = [torch.randperm(num_blocks * BS, device=device)[:s.T].contiguous() for _ in range(nsets)]
+    if s.sequential:
+        slots = [torch.arange(i * s.T, (i + 1) * s.T, device=device) for i in range(nsets)]
+    else:
+        slots = [torch.randperm(num_blocks * BS, device=device)[:s.T].contiguous() for _ in range(nsets)]
     cache = _cache(num_blocks, device)
 
     def run(i: int) -> None:
@@ -152,7 +159,8 @@ def cases(quick: bool, device: torch.device) -> list[harness.Case]:
     sweep = QUICK_INSERT_T if quick else INSERT_T
     out += [_case(Spec("insert", T=t), series=True) for t in sweep if t != HEADLINE_T]
     if not quick:
-        out += [_case(Spec("insert", T=HEADLINE_T, use_fnuz=True), series=False),
+        out += [_case(Spec("insert", T=HEADLINE_T, sequential=True), series=False),
+                _case(Spec("insert", T=HEADLINE_T, use_fnuz=True), series=False),
                 _case(Spec("gather", R=GATHER_WHOLE[0], L=GATHER_WHOLE[1], use_fnuz=True), series=False),
                 _case(Spec("gather", R=GATHER_WHOLE[0], L=1024, window=True), series=False)]
     return out

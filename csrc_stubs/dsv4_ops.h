@@ -296,6 +296,33 @@ inline void get_compressed_slot_mapping_out(
   return op.call(num_tokens, query_start_loc, seq_lens, block_table, block_size, compress_ratio, out);
 }
 
+// dsv4::prepare_native_decode(Tensor query_start_loc, Tensor seq_lens, Tensor(a!) decode_lens, Tensor(b!) decode_seq_lens, SymInt num_decodes, SymInt max_decode_len, int compress_ratio) -> ()
+inline void prepare_native_decode(
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    at::Tensor& decode_lens,
+    at::Tensor& decode_seq_lens,
+    c10::SymInt num_decodes,
+    c10::SymInt max_decode_len,
+    int64_t compress_ratio) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::prepare_native_decode", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, c10::SymInt, c10::SymInt, int64_t)>();
+  return op.call(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len, compress_ratio);
+}
+
+// dsv4::prepare_token_metadata(Tensor query_start_loc, Tensor slot_mapping, Tensor(a!) token_to_req_indices, Tensor(b!) is_valid_token) -> ()
+inline void prepare_token_metadata(
+    const at::Tensor& query_start_loc,
+    const at::Tensor& slot_mapping,
+    at::Tensor& token_to_req_indices,
+    at::Tensor& is_valid_token) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::prepare_token_metadata", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&)>();
+  return op.call(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token);
+}
+
 // dsv4::prepare_uniform_decode(Tensor seq_lens, Tensor(a!) decode_seq_lens, Tensor block_table, Tensor(b!) expanded_block_table, Tensor(c!) decode_lens, SymInt max_decode_len, SymInt num_decode_tokens) -> ()
 inline void prepare_uniform_decode(
     const at::Tensor& seq_lens,

@@ -120,6 +120,20 @@ def o_varlen(qsl, seq, bt, nd, n, width):
     return dsl, ebt, [1] * n, di
 
 
+def o_token_metadata(qsl, slots):
+    t2r = []
+    for t in range(len(slots)):
+        owners = [b for b in range(len(qsl) - 1) if qsl[b] <= t < qsl[b + 1]]
+        t2r.append(owners[0] if owners else 0)
+    return t2r, [s >= 0 for s in slots]
+
+
+def o_native(qsl, seq, nd, L_, ratio):
+    dl = [qsl[b + 1] - qsl[b] for b in range(nd)]
+    dsl = [max(seq[b] - L_ + 1 + j, 0) // ratio for b in range(nd) for j in range(L_)]
+    return dl, dsl
+
+
 def o_local(x, rank, world, inter):
     if world <= 1:
         return x
@@ -408,6 +422,54 @@ def test_prefill_chunk_random(device, impl, dcp):
             assert all(v == POISON for buf in bufs for v in L(buf))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_token_metadata_worked_example(device, impl):
+    """qsl [0,2,2,5] (request 1 empty), T_pad 7: rows 5 and 6 are padding (request 0, slot -1)."""
+    t2r, valid = poisoned((8,), device), torch.zeros(8, dtype=torch.bool, device=device)
+    slots = torch.tensor([10, 11, -1, 40, 41, -1, -1], device=device)
+    with impl_ctx(impl, device):
+        d.prepare_token_metadata(i32([0, 2, 2, 5], device), slots, t2r, valid)
+    assert L(t2r) == [0, 0, 2, 2, 2, 0, 0, POISON]
+    assert L(valid) == [True, True, False, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_native_decode_worked_example(device, impl):
+    """L 2, ratio 4: seq [10, 1, 0] -> contexts [9,10], [0,1], [0,0] -> compressed [2,2], [0,0], [0,0];
+    query lengths [2, 1, 0]."""
+    dl, dsl = poisoned((4,), device), poisoned((7,), device)
+    with impl_ctx(impl, device):
+        d.prepare_native_decode(i32([0, 2, 3, 3], device), i32([10, 1, 0], device), dl, dsl, 3, 2, 4)
+    assert L(dl) == [2, 1, 0, POISON]
+    assert L(dsl) == [2, 2, 0, 0, 0, 0, POISON]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_and_native_random(device, impl, kind):
+    for seed in range(3):
+        b = make_batch(kind, 40 + seed, max_ctx=70000)
+        qsl, seq, _ = tensors(b, device)
+        rnd = random.Random(seed)
+        pad = rnd.randint(0, 300)
+        slots = [rnd.choice([-1, rnd.randint(0, 10**6)]) for _ in range(b["T"] + pad)]
+        t2r, valid = poisoned((len(slots) + 1,), device), torch.zeros(len(slots) + 1, dtype=torch.bool,
+                                                                      device=device)
+        slot_t = torch.tensor(slots, dtype=torch.int64 if seed % 2 else torch.int32, device=device)
+        with impl_ctx(impl, device):
+            d.prepare_token_metadata(qsl, slot_t, t2r, valid)
+        e_t2r, e_valid = o_token_metadata(b["qsl"], slots)
+        assert L(t2r) == e_t2r + [POISON]
+        assert L(valid) == e_valid + [False]
+        nd, L_ = b["nd"], rnd.randint(1, 4)
+        for ratio in (1, 4, 128):
+            dl, dsl = poisoned((nd + 1,), device), poisoned((nd * L_ + 1,), device)
+            with impl_ctx(impl, device):
+                d.prepare_native_decode(qsl, seq, dl, dsl, nd, L_, ratio)
+            e_dl, e_dsl = o_native(b["qsl"], b["seq"], nd, L_, ratio)
+            assert L(dl) == e_dl + [POISON] and L(dsl) == e_dsl + [POISON]
+
+
 # === hostile indices (§4 b): the documented result, no access outside the tensors ======================
 @pytest.mark.parametrize("impl", IMPLS)
 def test_hostile_tables_and_requests(device, impl):
@@ -463,6 +525,11 @@ def _bad_cases(dev):
                                                             lens)),
         ("cu_seqlen_ks", lambda: d.fill_prefill_chunk_metadata(qsl, seq, seq, 0, 1, 0, 2, 4, 0, 1, 1, lens,
                                                                lens[:1], lens, lens)),
+        ("is_valid_token", lambda: d.prepare_token_metadata(qsl, i32([1, 2, 3], dev), i32([0] * 3, dev), ok)),
+        ("token_to_req_indices", lambda: d.prepare_token_metadata(qsl, i32([1, 2], dev), lens.long(), ok)),
+        ("decode_seq_lens", lambda: d.prepare_native_decode(qsl, seq, lens, lens[:1], 1, 2, 4)),
+        ("compress_ratio", lambda: d.prepare_native_decode(qsl, seq, lens, lens, 1, 2, 0)),
+        ("num_decodes", lambda: d.prepare_native_decode(qsl, seq, lens, lens, 2, 1, 4)),
     ]
 
 
@@ -493,6 +560,9 @@ def opcheck_cases(dev):
         "prepare_varlen_decode": (qsl, seq, bt, z(T + 1), z(T + 1, 30), z(T + 1), z(T + 1), nd, b["qsl"][nd] + 1),
         "fill_prefill_chunk_metadata": (qsl, seq, seq // 4, nd, nd + b["np"], 0, T - b["qsl"][nd], 4, 0, 1, 1,
                                         z(b["np"] + 1), z(T), z(T), z(sum(s // 4 for s in b["seq"][nd:]))),
+        "prepare_token_metadata": (qsl, torch.arange(-3, T + 2, device=dev), z(T + 6),
+                                   torch.zeros(T + 5, dtype=torch.bool, device=dev)),
+        "prepare_native_decode": (qsl, seq, z(nd + 1), z(2 * nd), nd, 2, 4),
     }
 
 
@@ -507,6 +577,8 @@ def test_compile_no_recompile(device):
     """fullgraph + dynamic over T in {7, 13, 17}: one graph for all ops, no new Triton compilations."""
     def step(qsl, seq, t2r, valid, bt, idx, lens, slots, dsl, ebt, dl, di, cu, ks, ke, tts):
         T = t2r.shape[0]
+        d.prepare_token_metadata(qsl, slots, di, valid.clone())
+        d.prepare_native_decode(qsl, seq, dl, dsl, 2, 1, 4)
         s = d.get_compressed_slot_mapping(T, qsl, seq, bt, 4, 4)
         d.get_compressed_slot_mapping(T, qsl, seq, bt, 4, 4, out=slots)
         d.compute_swa_indices_and_lens(idx, lens, 8, qsl, seq, t2r, valid, bt, 4)
@@ -526,8 +598,7 @@ def test_compile_no_recompile(device):
                 z((n + 14) // 4 + 1))
         inputs.append(tuple(a.to(device) for a in args))
     counted = device.type == "cuda"
-    ks_ = tuple(kernels.LAUNCHERS[k].fn for k in ("slot", "swa", "gather_lens", "uniform", "varlen", "chunk")) \
-        if counted else ()
+    ks_ = tuple(launcher.fn for launcher in kernels.LAUNCHERS.values()) if counted else ()
     before = [triton_cache_entries(k) for k in ks_]
     check_compile(step, inputs)
     if counted:
@@ -568,6 +639,8 @@ def test_cuda_graph_replay_new_metadata():
         d.prepare_uniform_decode(seq, dsl, bt, ebt, dl, 2, 2 * R)
         d.prepare_varlen_decode(qsl, seq, bt, vdsl, vebt, vdl, vdi, R, T + 2)
         d.fill_prefill_chunk_metadata(qsl, seq, seq // 4, 0, R, 0, T, 4, 0, 1, 1, cu, ks, ke, tts)
+        d.prepare_token_metadata(qsl, slots[:T], vdi, valid.clone())
+        d.prepare_native_decode(qsl, seq, dl, dsl, R, 2, 4)
 
     check_cuda_graph(step, static + bufs, [inputs(s) + tuple(torch.zeros_like(x) for x in bufs) for s in (8, 9)])
 

@@ -31,6 +31,8 @@ from .ops.metadata import (
     compute_swa_indices_and_lens,
     fill_prefill_chunk_metadata,
     get_compressed_slot_mapping,
+    prepare_native_decode,
+    prepare_token_metadata,
     prepare_uniform_decode,
     prepare_varlen_decode,
 )
@@ -62,6 +64,7 @@ __all__ = [
     "compute_global_topk_indices_and_lens", "fill_short_context_topk_indices",
     "get_compressed_slot_mapping", "compute_swa_indices_and_lens", "compute_dspark_noncausal_swa_indices_and_lens",
     "compute_prefill_gather_lens", "prepare_uniform_decode", "prepare_varlen_decode", "fill_prefill_chunk_metadata",
+    "prepare_token_metadata", "prepare_native_decode",
     "split_decodes_and_prefills", "split_indexer_prefill_chunks", "get_prefill_chunk_plan",
     "get_dspark_swa_index_width", "get_max_prefill_buffer_size", "build_prefill_chunk_metadata",
     "BatchDescription", "DeepseekSparseSWAMetadata", "DeepSeekV32IndexerDecodeMetadata", "DeepseekV32IndexerMetadata",

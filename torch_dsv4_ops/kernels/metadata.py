@@ -173,6 +173,54 @@ def varlen_decode_kernel(
     tl.store(di_ptr + row * di_s, tl.where(real, b, nd + row - e).to(tl.int32))
 
 
+# --- prepare_token_metadata / prepare_native_decode ------------------------------------------------
+@triton.jit
+def token_metadata_kernel(
+    qsl_ptr, slot_ptr, t2r_ptr, valid_ptr,
+    Rq, T, qsl_s, slot_s, t2r_s, valid_s,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """Programs [0, Rq) write request p's token_to_req rows [qsl[p], qsl[p+1]) below T; programs Rq..
+    each take a BLOCK-row tile: token_to_req 0 where no request row lies, and is_valid_token."""
+    p = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, BLOCK).to(tl.int64)
+    _pdl_start(PDL)
+    if p < Rq:
+        lo = tl.maximum(tl.load(qsl_ptr + p * qsl_s).to(tl.int64), 0)
+        hi = tl.minimum(tl.load(qsl_ptr + (p + 1) * qsl_s).to(tl.int64), T)
+        for r0 in range(lo, hi, BLOCK):
+            row = r0 + rows
+            tl.store(t2r_ptr + row * t2r_s, tl.zeros((BLOCK,), tl.int32) + p.to(tl.int32), mask=row < hi)
+    else:
+        first = tl.load(qsl_ptr).to(tl.int64)
+        last = tl.load(qsl_ptr + Rq * qsl_s).to(tl.int64)
+        row = (p - Rq) * BLOCK + rows
+        m = row < T
+        slot = tl.load(slot_ptr + row * slot_s, mask=m, other=-1)
+        tl.store(t2r_ptr + row * t2r_s, tl.zeros((BLOCK,), tl.int32), mask=m & ((row < first) | (row >= last)))
+        tl.store(valid_ptr + row * valid_s, slot >= 0, mask=m)
+
+
+@triton.jit
+def native_decode_kernel(
+    qsl_ptr, seq_ptr, dl_ptr, dsl_ptr,
+    nd, L, qsl_s, seq_s, dl_s, dsl_s,
+    RATIO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """A tile of BLOCK flattened (request, j) rows: i = b * L + j."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    m = i < nd * L
+    b = i // L
+    j = i % L
+    _pdl_start(PDL)
+    seq = tl.load(seq_ptr + b * seq_s, mask=m, other=0).to(tl.int64)
+    first = m & (j == 0)
+    qs = tl.load(qsl_ptr + b * qsl_s, mask=first, other=0)
+    qe = tl.load(qsl_ptr + (b + 1) * qsl_s, mask=first, other=0)
+    tl.store(dsl_ptr + i * dsl_s, (tl.maximum(seq - L + 1 + j, 0) // RATIO).to(tl.int32), mask=m)
+    tl.store(dl_ptr + b * dl_s, (qe - qs).to(tl.int32), mask=first)
+
+
 # --- build_prefill_chunk_metadata (device part) ---------------------------------------------------
 @triton.jit
 def _local(x, rank, world, inter, DCP: tl.constexpr):
@@ -239,8 +287,11 @@ GATHER_LENS_LAUNCHER = FastLauncher(gather_lens_kernel)
 UNIFORM_LAUNCHER = FastLauncher(uniform_decode_kernel)
 VARLEN_LAUNCHER = FastLauncher(varlen_decode_kernel)
 CHUNK_LAUNCHER = FastLauncher(prefill_chunk_kernel)
+TOKEN_LAUNCHER = FastLauncher(token_metadata_kernel)
+NATIVE_LAUNCHER = FastLauncher(native_decode_kernel)
 LAUNCHERS = {"slot": SLOT_LAUNCHER, "swa": SWA_LAUNCHER, "gather_lens": GATHER_LENS_LAUNCHER,
-             "uniform": UNIFORM_LAUNCHER, "varlen": VARLEN_LAUNCHER, "chunk": CHUNK_LAUNCHER}
+             "uniform": UNIFORM_LAUNCHER, "varlen": VARLEN_LAUNCHER, "chunk": CHUNK_LAUNCHER,
+             "token": TOKEN_LAUNCHER, "native": NATIVE_LAUNCHER}
 
 
 # --- constexprs and runtime arguments (shared by the ops and the compile matrix) ------------------
@@ -308,6 +359,26 @@ def chunk_runtime_args(start, n, qs0, rows, rank, world, inter, qsl, useq, cseq,
             cu.stride(0), ks.stride(0), ke.stride(0), tts.stride(0))
 
 
+def token_constexprs(target: platform.Target) -> dict:
+    return _common(ROW_BLOCK, target)
+
+
+def token_grid(Rq: int, T: int) -> int:
+    return Rq + layout.cdiv(T, ROW_BLOCK)
+
+
+def token_runtime_args(Rq, T, qsl, slot, t2r, valid) -> tuple:
+    return (Rq, T, qsl.stride(0), slot.stride(0), t2r.stride(0), valid.stride(0))
+
+
+def native_constexprs(compress_ratio: int, target: platform.Target) -> dict:
+    return dict(RATIO=max(compress_ratio, 1), **_common(ROW_BLOCK, target))
+
+
+def native_runtime_args(nd, L, qsl, seq, dl, dsl) -> tuple:
+    return (nd, L, qsl.stride(0), seq.stride(0), dl.stride(0), dsl.stride(0))
+
+
 # --- compile matrix (torch_dsv4_ops.compile_matrix) -------------------------------------------
 def _case(target, name, fn, tensors, ints, meta):
     from .matrix import KernelCase, specialise
@@ -319,7 +390,7 @@ def _case(target, name, fn, tensors, ints, meta):
 
 
 def matrix_cases(target: platform.Target) -> list:
-    """Specialisations of the six metadata kernels on `target`: DSV4 shapes (window 128, DSpark
+    """Specialisations of the eight metadata kernels on `target`: DSV4 shapes (window 128, DSpark
     widths 192/576, ratios 4/128 with storage bs 64/2, SWA bs 64), int32 and int64 block tables,
     int32 and int64 query_start_loc/seq_lens, DCP on and off. Ints are representative."""
     from .matrix import Ptr, dedupe
@@ -348,8 +419,16 @@ def matrix_cases(target: platform.Target) -> list:
             cases.append(_case(target, f"varlen_decode.W{width}.{tag}", varlen_decode_kernel,
                                (Ptr(i32), Ptr(i32), Ptr(bt_dtype), Ptr(i32), Ptr(bt_dtype), Ptr(i32), Ptr(i32)),
                                (5, width, width, 1, 1, width, 1, 1, width, 1, 1, 1), meta))
+    for slot_dtype in (i32, i64):
+        cases.append(_case(target, f"token_metadata.slot{32 if slot_dtype == i32 else 64}", token_metadata_kernel,
+                           (Ptr(i32), Ptr(slot_dtype), Ptr(i32), Ptr(b8)), (5, 300, 1, 1, 1, 1),
+                           token_constexprs(target)))
     for len_dtype in (i32, i64):
         tag = "len32" if len_dtype == i32 else "len64"
+        for ratio in (1, 4, 128):
+            cases.append(_case(target, f"native_decode.r{ratio}.{tag}", native_decode_kernel,
+                               (Ptr(i32), Ptr(len_dtype), Ptr(i32), Ptr(i32)), (5, 2, 1, 1, 1, 1),
+                               native_constexprs(ratio, target)))
         cases.append(_case(target, f"gather_lens.{tag}", gather_lens_kernel, (Ptr(len_dtype), Ptr(i32), Ptr(i32)),
                            (3, 4, 128, 1, 1, 1), gather_lens_constexprs(target)))
         for ratio, dcp in ((4, False), (128, False), (4, True)):

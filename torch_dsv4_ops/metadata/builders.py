@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ..ops.metadata import (compute_dspark_noncausal_swa_indices_and_lens, compute_prefill_gather_lens,
-                            compute_swa_indices_and_lens, get_compressed_slot_mapping, prepare_uniform_decode,
-                            prepare_varlen_decode)
+                            compute_swa_indices_and_lens, get_compressed_slot_mapping, prepare_native_decode,
+                            prepare_token_metadata, prepare_uniform_decode, prepare_varlen_decode)
 from .chunks import fill_chunk
 from .planners import (get_dspark_swa_index_width, get_max_prefill_buffer_size, split_decodes_and_prefills,
                        split_indexer_prefill_chunks)
@@ -185,7 +185,6 @@ class SWAMetadataBuilder:
         if self.use_dspark:
             self.noncausal_index_width = get_dspark_swa_index_width(self.window_size, self.num_speculative_tokens)
             self.decode_swa_indices_noncausal = torch.zeros(Tmax, 1, self.noncausal_index_width, **i32)
-        self._arange = torch.arange(Tmax, **i32)   # token ids, for token_to_req_indices
 
     # --- host part --------------------------------------------------------------------------------
     def _plan(self, batch):
@@ -208,14 +207,7 @@ class SWAMetadataBuilder:
         t2r = self.token_to_req_indices[:T_pad]
         valid = self.is_valid_token[:T_pad]
         if T_pad:
-            if R:
-                # request of token t = #requests ending at or before t; rows t >= qsl[R] = T give R, then 0
-                torch.searchsorted(qsl_dev[1:], self._arange[:T_pad], right=True, out_int32=True, out=t2r)
-                if T_pad > batch.num_actual_tokens:
-                    t2r.remainder_(R)
-            else:
-                t2r.zero_()
-            torch.ge(batch.slot_mapping, 0, out=valid)
+            prepare_token_metadata(qsl_dev, batch.slot_mapping, self.token_to_req_indices, self.is_valid_token)
 
         window = self.window_size
         if causal:
@@ -325,8 +317,6 @@ class IndexerMetadataBuilder:
         self.arange = torch.arange(D, **i32)
         self.expanded_block_table = torch.zeros(Tmax, self.block_table_width, **i32)
         self.compressed_slot_mapping = torch.full((Tmax,), -1, dtype=torch.int64, device=dev)
-        # [1, L] rows j - L + 1, for the native (nd, L) seq_lens view
-        self._native_offsets = [torch.arange(L, **i32).sub_(L - 1).unsqueeze(0) for L in range(next_n + 1)]
         self.compressed_seq_lens = torch.zeros(S, **i32)
         self.chunk_cu_seq_lens = torch.zeros(2 * S, **i32)
         self.chunk_cu_seqlen_ks = torch.zeros(Tmax, **i32)
@@ -425,16 +415,17 @@ class IndexerMetadataBuilder:
     def _decode(self, batch, nd: int, ndt: int, L: int, Lmin: int, native: bool, uniform: bool
                 ) -> DeepSeekV32IndexerDecodeMetadata:
         qsl, seq_lens, bt = batch.query_start_loc, batch.seq_lens, batch.block_table
-        torch.sub(qsl[1:nd + 1], qsl[:nd], out=self.decode_lens[:nd])
+        ratio = self.compress_ratio
+        divided = False
         if native:
             requires_padding = Lmin != L
             block_table, decode_lens = bt[:nd], self.decode_lens[:nd]
             if self.next_n > 1:
-                seq = self.decode_seq_lens[:nd * L].view(nd, L)
-                torch.add(seq_lens[:nd].unsqueeze(1), self._native_offsets[L], out=seq)
-                seq.clamp_(min=0)
-                in_buffer = True
+                # decode_lens and the (nd, L) context lengths, already divided by the ratio: one launch
+                prepare_native_decode(qsl, seq_lens, self.decode_lens, self.decode_seq_lens, nd, L, max(ratio, 1))
+                seq, in_buffer, divided = self.decode_seq_lens[:nd * L].view(nd, L), True, True
             else:
+                torch.sub(qsl[1:nd + 1], qsl[:nd], out=self.decode_lens[:nd])
                 seq, in_buffer = seq_lens[:nd], False
         else:
             requires_padding = False
@@ -448,8 +439,7 @@ class IndexerMetadataBuilder:
             seq, in_buffer = self.decode_seq_lens[:ndt], True
             block_table, decode_lens = self.expanded_block_table[:ndt], self.decode_lens[:ndt]
 
-        ratio = self.compress_ratio
-        if ratio > 1:
+        if ratio > 1 and not divided:
             if in_buffer:
                 seq.floor_divide_(ratio)
             else:

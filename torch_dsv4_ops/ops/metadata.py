@@ -1,7 +1,8 @@
 """Metadata ops (SPEC §3.4): `dsv4::get_compressed_slot_mapping[_out]`, `compute_swa_indices_and_lens`,
 `compute_dspark_noncausal_swa_indices_and_lens`, `compute_prefill_gather_lens[_out]`,
-`prepare_uniform_decode`, `prepare_varlen_decode` and `fill_prefill_chunk_metadata` (the device
-part of `metadata.build_prefill_chunk_metadata`).
+`prepare_uniform_decode`, `prepare_varlen_decode`, `fill_prefill_chunk_metadata` (the device part
+of `metadata.build_prefill_chunk_metadata`), and the builders' fused steps `prepare_token_metadata`
+and `prepare_native_decode`.
 
 The Python entry points mirror vLLM's functions of the same names (names, argument names, order,
 defaults); output buffers are a trailing `out=` where vLLM allocates.
@@ -184,14 +185,44 @@ def check_chunk(query_start_loc, uncompressed_seq_lens, compressed_seq_lens, sta
     _rows("cu_seqlen_ke", cu_seqlen_ke, query_end - query_start)
 
 
+def check_token_metadata(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token) -> tuple[int, int]:
+    """Validate prepare_token_metadata; return (Rq = len(qsl) - 1, T = len(slot_mapping))."""
+    Rq = _qsl(query_start_loc)
+    device = query_start_loc.device
+    _vector("slot_mapping", slot_mapping, device)
+    _vector("token_to_req_indices", token_to_req_indices, device, I32)
+    _vector("is_valid_token", is_valid_token, device, BOOL)
+    T = slot_mapping.shape[0]
+    _rows("token_to_req_indices", token_to_req_indices, T)
+    _rows("is_valid_token", is_valid_token, T)
+    return Rq, T
+
+
+def check_native(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len,
+                 compress_ratio) -> None:
+    """Validate prepare_native_decode."""
+    Rq = _qsl(query_start_loc)
+    device = query_start_loc.device
+    _vector("seq_lens", seq_lens, device)
+    _vector("decode_lens", decode_lens, device, I32)
+    _vector("decode_seq_lens", decode_seq_lens, device, I32)
+    _int("num_decodes", num_decodes, 0)
+    _int("max_decode_len", max_decode_len, 1)
+    _int("compress_ratio", compress_ratio, 1)
+    if _known(num_decodes, Rq) and Rq < num_decodes:
+        raise ValueError(f"query_start_loc holds {Rq} requests, fewer than num_decodes = {num_decodes}")
+    _rows("seq_lens", seq_lens, num_decodes)
+    _rows("decode_lens", decode_lens, num_decodes)
+    _rows("decode_seq_lens", decode_seq_lens, num_decodes * max_decode_len)
+
+
 # --- plans ---------------------------------------------------------------------------------------
 _PLANS = PlanCache()
 
 
 def _sig(name: str, args) -> tuple:
     """Every shape, stride, dtype, device and scalar of a call (never a tensor's values)."""
-    return (name,) + tuple((a.shape, a.stride(), a.dtype, a.get_device()) if isinstance(a, torch.Tensor) else a
-                           for a in args)
+    return (name, *[(a.shape, a.stride(), a.dtype, a.get_device()) if isinstance(a, torch.Tensor) else a for a in args])
 
 
 def _plan(name: str, args, make, tensors) -> None:
@@ -569,6 +600,76 @@ def _chunk_examples():
                                             full(4))}
 
 
+# --- prepare_token_metadata / prepare_native_decode ----------------------------------------------
+def _token_kernel(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token):
+    args = (query_start_loc, slot_mapping, token_to_req_indices, is_valid_token)
+
+    def make():
+        Rq, T = check_token_metadata(*args)
+        if T == 0:
+            return None
+        return _bind(kernels.TOKEN_LAUNCHER, kernels.token_grid(Rq, T), args,
+                     kernels.token_runtime_args(Rq, T, *args),
+                     kernels.token_constexprs(platform.target_for(slot_mapping.device)), slot_mapping.device)
+
+    _plan("token", args, make, args)
+
+
+def _token_reference(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token):
+    check_token_metadata(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token)
+    reference.prepare_token_metadata(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token)
+
+
+def _token_fake(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token):
+    check_token_metadata(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token)
+
+
+def _token_examples():
+    g = torch.Generator().manual_seed(0)
+    qsl = torch.tensor([0, 2, 4, 4, 44], dtype=torch.int32)
+    slots = torch.randint(-1, 9000, (48,), generator=g)
+    return {"3 MTP decodes (one empty) + a 40-token prefill, 4 padding rows": (
+        qsl, slots, torch.full((50,), 7, dtype=torch.int32), torch.zeros(50, dtype=torch.bool))}
+
+
+def _native_kernel(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len,
+                   compress_ratio):
+    args = (query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len, compress_ratio)
+
+    def make():
+        check_native(*args)
+        rows = num_decodes * max_decode_len
+        if rows == 0:
+            return None
+        tensors = args[:4]
+        return _bind(kernels.NATIVE_LAUNCHER, -(-rows // kernels.ROW_BLOCK), tensors,
+                     kernels.native_runtime_args(num_decodes, max_decode_len, *tensors),
+                     kernels.native_constexprs(compress_ratio, platform.target_for(seq_lens.device)),
+                     seq_lens.device)
+
+    _plan("native", args, make, args[:4])
+
+
+def _native_reference(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len,
+                      compress_ratio):
+    args = (query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len, compress_ratio)
+    check_native(*args)
+    reference.prepare_native_decode(*args)
+
+
+def _native_fake(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len,
+                 compress_ratio):
+    check_native(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len,
+                 compress_ratio)
+
+
+def _native_examples():
+    qsl = torch.tensor([0, 2, 4, 5, 5, 7], dtype=torch.int32)
+    seq = torch.tensor([70000, 2, 9, 0, 300], dtype=torch.int32)
+    return {"5 MTP requests (L 2; one short, one empty), ratio 4": (
+        qsl, seq, torch.full((6,), 7, dtype=torch.int32), torch.full((12,), 7, dtype=torch.int32), 5, 2, 4)}
+
+
 # --- registration ------------------------------------------------------------------------------
 _SLOT_ARGS = "SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, " \
              "int compress_ratio"
@@ -610,6 +711,17 @@ _chunk_op = register_op(
     "int dcp_world_size, int cp_kv_cache_interleave_size, Tensor(a!) cu_seq_lens, Tensor(b!) cu_seqlen_ks, "
     "Tensor(c!) cu_seqlen_ke, Tensor(d!) token_to_seq) -> ()",
     reference=_chunk_reference, kernel=_chunk_kernel, fake=_chunk_fake, examples=_chunk_examples)
+
+
+_token_op = register_op(
+    "prepare_token_metadata(Tensor query_start_loc, Tensor slot_mapping, Tensor(a!) token_to_req_indices, "
+    "Tensor(b!) is_valid_token) -> ()",
+    reference=_token_reference, kernel=_token_kernel, fake=_token_fake, examples=_token_examples)
+
+_native_op = register_op(
+    "prepare_native_decode(Tensor query_start_loc, Tensor seq_lens, Tensor(a!) decode_lens, "
+    "Tensor(b!) decode_seq_lens, SymInt num_decodes, SymInt max_decode_len, int compress_ratio) -> ()",
+    reference=_native_reference, kernel=_native_kernel, fake=_native_fake, examples=_native_examples)
 
 
 # --- public functions (vLLM's names, argument names, order and defaults) --------------------------
@@ -718,3 +830,24 @@ def fill_prefill_chunk_metadata(query_start_loc, uncompressed_seq_lens, compress
     _chunk_op(query_start_loc, uncompressed_seq_lens, compressed_seq_lens, start_idx, end_idx, query_start, query_end,
               compress_ratio, dcp_rank, dcp_world_size, cp_kv_cache_interleave_size, cu_seq_lens, cu_seqlen_ks,
               cu_seqlen_ke, token_to_seq)
+
+
+def prepare_token_metadata(query_start_loc: torch.Tensor, slot_mapping: torch.Tensor,
+                           token_to_req_indices: torch.Tensor, is_valid_token: torch.Tensor) -> None:
+    """Per-token request ids and validity of one step (SPEC §3.6.1 steps 2 and 3, one launch; a package
+    addition). For rows t < T = len(slot_mapping): token_to_req_indices[t] = the request b with
+    qsl[b] <= t < qsl[b+1], 0 where there is none (padding rows); is_valid_token[t] =
+    slot_mapping[t] >= 0. query_start_loc [R+1] int32/int64, non-decreasing; slot_mapping [T]
+    int64/int32; token_to_req_indices [>= T] int32; is_valid_token [>= T] bool."""
+    _token_op(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token)
+
+
+def prepare_native_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, decode_lens: torch.Tensor,
+                          decode_seq_lens: torch.Tensor, num_decodes: int, max_decode_len: int,
+                          compress_ratio: int = 1) -> None:
+    """The indexer's native decode lengths (SPEC §3.6.2 step 3, native path, one launch; a package
+    addition): for decode request b < num_decodes and j < L = max_decode_len, decode_lens[b] =
+    query_len[b] and decode_seq_lens[b*L + j] = max(seq_lens[b] - L + 1 + j, 0) // compress_ratio
+    (the (nd, L) row-major view the logits kernel reads). decode_lens [>= nd], decode_seq_lens
+    [>= nd*L] int32; query_start_loc [>= nd+1], seq_lens [>= nd] int32/int64."""
+    _native_op(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len, compress_ratio)

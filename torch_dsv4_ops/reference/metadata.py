@@ -165,3 +165,28 @@ def build_prefill_chunk_metadata(query_start_loc, uncompressed_seq_lens, compres
         cu_seqlen_ke[a[keep]] = (row_start[b] + local_count(x, *args))[keep].to(cu_seqlen_ke.dtype)
     k = torch.arange(token_to_seq.shape[0], dtype=torch.int64)
     token_to_seq.copy_((torch.searchsorted(cu[1:], k, right=True)).where(k < cu[n], -1).to(token_to_seq.dtype))
+
+
+def prepare_token_metadata(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token) -> None:
+    """Rows t < len(slot_mapping): token_to_req_indices[t] = the request b with qsl[b] <= t < qsl[b+1]
+    (0 where there is none: padding rows), is_valid_token[t] = slot_mapping[t] >= 0."""
+    T = slot_mapping.shape[0]
+    qsl = query_start_loc.long()
+    t = torch.arange(T, dtype=torch.int64)
+    r = torch.zeros(T, dtype=torch.int64)
+    for b in range(qsl.shape[0] - 1):
+        r = torch.where((t >= qsl[b]) & (t < qsl[b + 1]), b, r)
+    token_to_req_indices[:T] = r.to(token_to_req_indices.dtype)
+    is_valid_token[:T] = slot_mapping >= 0
+
+
+def prepare_native_decode(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len,
+                          compress_ratio) -> None:
+    """Decode request b < num_decodes, j < L = max_decode_len: decode_lens[b] = query_len[b],
+    decode_seq_lens[b*L + j] = max(seq_b - L + 1 + j, 0) // compress_ratio."""
+    nd, L = num_decodes, max_decode_len
+    qsl = query_start_loc.long()
+    decode_lens[:nd] = (qsl[1:nd + 1] - qsl[:nd]).to(decode_lens.dtype)
+    j = torch.arange(L, dtype=torch.int64)[None, :]
+    ctx = (seq_lens[:nd].long()[:, None] - L + 1 + j).clamp(min=0) // compress_ratio
+    decode_seq_lens[:nd * L] = ctx.reshape(-1).to(decode_seq_lens.dtype)
