@@ -29,7 +29,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 echo "==== GPU tests ===="
 # The compile matrix is a CPU-suite check with triton pinned to 3.9 (CI); the GPU image's triton 3.6
 # aborts inside LLVM on some AMD targets, which has nothing to do with the GPU run.
-timeout -k 10 300 python3 -m pytest -q tests -p no:cacheprovider -m "not slow" \
+timeout -k 10 360 python3 -m pytest -q tests -p no:cacheprovider -m "not slow" --durations=10 \
   --ignore=tests/test_compile_matrix.py 2>&1 | tee "$OUT/gpu_tests.log"
 test_rc=$?
 
@@ -56,7 +56,7 @@ head -n 1 "$OUT/env.txt"
 grep -m1 -E "torch .* triton" "$OUT/env.txt"
 grep -m1 "^device" "$OUT/env.txt"
 echo "pytest (rc=$test_rc): $(tail -n 1 "$OUT/gpu_tests.log")"
-[ "$test_rc" = 124 ] && echo "pytest hit its 300 s timeout"
+[ "$test_rc" = 124 ] && echo "pytest hit its 360 s timeout"
 if grep -q "^==== summary" "$OUT/bench.log"; then
   sed -n '/^==== summary/,$p' "$OUT/bench.log"
 else
