@@ -574,7 +574,8 @@ def test_opcheck(device, impl):
 
 
 def test_compile_no_recompile(device):
-    """fullgraph + dynamic over T in {7, 13, 17}: one graph for all ops, no new Triton compilations."""
+    """fullgraph + dynamic over T in {7, 13, 17}: one graph for all eleven registrations, no new Triton
+    compilations."""
     def step(qsl, seq, t2r, valid, bt, idx, lens, slots, dsl, ebt, dl, di, cu, ks, ke, tts):
         T = t2r.shape[0]
         d.prepare_token_metadata(qsl, slots, di, valid.clone())
@@ -582,7 +583,9 @@ def test_compile_no_recompile(device):
         s = d.get_compressed_slot_mapping(T, qsl, seq, bt, 4, 4)
         d.get_compressed_slot_mapping(T, qsl, seq, bt, 4, 4, out=slots)
         d.compute_swa_indices_and_lens(idx, lens, 8, qsl, seq, t2r, valid, bt, 4)
+        d.compute_dspark_noncausal_swa_indices_and_lens(idx, lens, 8, qsl, seq, t2r, valid, bt, 4)
         g = d.compute_prefill_gather_lens(seq, qsl, 0, 2, 8)
+        d.compute_prefill_gather_lens(seq, qsl, 0, 2, 8, out=cu)
         d.prepare_varlen_decode(qsl, seq, bt, dsl, ebt, dl, di, 2, T)
         d.prepare_uniform_decode(seq, dsl, bt, ebt, dl, 1, 2)
         d.fill_prefill_chunk_metadata(qsl, seq, seq, 0, 2, 0, T, 4, 0, 1, 1, cu, ks, ke, tts)
