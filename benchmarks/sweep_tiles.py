@@ -43,8 +43,12 @@ def _sparse_plan():
     small = [bs._case(bs.Spec(op, t)) for op in bs.OPS for t in (64, 256)]
     plans = []
     base = dict(ks.PER_THREAD)
-    for combine, search in ((4, 256), (8, 256), (16, 256), (32, 256), (32, 64)):
-        plans.append(({"PER_THREAD": {**base, "combine": combine}, "SEARCH": search}, big + small))
+    # narrower column tiles (rows swept in several steps), at the measured lanes-per-column and with more
+    # warps per tile
+    for max_block, per_thread in ((1024, base), (512, base), (256, base), (128, base),
+                                  (256, {k: 2 for k in base}), (128, {k: 1 for k in base}),
+                                  (512, {**{k: 8 for k in base}, "combine": 16})):
+        plans.append(({"MAX_BLOCK": max_block, "PER_THREAD": per_thread}, big + small))
     return ks, (osi._PLANS,), plans
 
 
