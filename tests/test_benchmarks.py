@@ -48,6 +48,6 @@ def test_quick_cpu_run_writes_json(tmp_path):
     assert set(TARGETS) <= set(doc["targets"])
     assert all(t["pass"] is None for t in doc["targets"].values())   # targets are judged on a GPU only
     assert doc["all_targets_pass"] is None
-    assert "targets: 6 not judged (no GPU" in proc.stdout
+    assert "targets: 8 not judged (no GPU" in proc.stdout
     if importlib.util.find_spec("matplotlib") is not None:
         assert doc["plot"] == "bench_cache.png" and (tmp_path / "bench_cache.png").stat().st_size > 0

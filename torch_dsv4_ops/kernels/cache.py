@@ -1,9 +1,11 @@
-"""Triton kernel and launcher for the flash KV-cache writes (SPEC §3.1).
+"""Triton kernels and launchers for the flash KV-cache writes (SPEC §3.1).
 
-One kernel serves `reshape_and_cache_flash` (NHD or head-major) and `_diffkv`: each program
-takes one token and a tile of heads, and writes that token's K tile and V tile. Every cache
-address is `blk*S_BLK + off*S_OFF + h*S_H + (d // X)*S_DX + (d % X)*S_DI`, which covers NHD
-(X = 1), head-major K (X = x) and head-major V (X = 1, D before the offset) with runtime strides.
+`flash_cache_write_kernel` serves NHD caches and `_diffkv`: each program takes one token and a tile
+of heads, and writes that token's K tile and V tile. Every cache address is
+`blk*S_BLK + off*S_OFF + h*S_H + (d // X)*S_DX + (d % X)*S_DI`, which covers NHD (X = 1), head-major
+K (X = x) and head-major V (X = 1, D before the offset) with runtime strides.
+`head_major_group_kernel` serves head-major caches: each program takes GROUP_TOKENS consecutive
+tokens of one head, so that a prefill's run of slots leaves as contiguous rows (full sectors).
 """
 from __future__ import annotations
 
@@ -158,6 +160,78 @@ def flash_cache_write_kernel(
                 BLOCK_DV)
 
 
+@triton.jit
+def head_major_group_kernel(
+    key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, T, num_slots, slot_stride,
+    k_st, k_sh, k_sd, v_st, v_sh, v_sd,
+    kc_blk, kc_off, kc_h, kc_dx, kc_di,
+    vc_blk, vc_off, vc_h, vc_dx, vc_di,
+    DK: tl.constexpr, DV: tl.constexpr, XK: tl.constexpr, BS: tl.constexpr, TOK: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PACKED: tl.constexpr,
+    IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: tl.constexpr, SCALED: tl.constexpr,
+    DIV64: tl.constexpr, SW_IN: tl.constexpr, SW_OUT: tl.constexpr, PDL: tl.constexpr,
+):
+    """Head-major caches: program (g, h) writes head h of the TOK consecutive input tokens g*TOK.. .
+
+    In a head-major cache a token's V values sit `block_size` elements apart (and its K values in
+    x-element pieces), so one token's writes are partial sectors. Consecutive tokens of one block are
+    adjacent instead: when the group's slots are one run inside one block (a prefill), V rows of TOK
+    tokens and K rows of TOK*x elements are stored as contiguous runs (full sectors); otherwise every
+    element goes to its own slot's address."""
+    g = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    t = tl.arange(0, TOK)
+    tok = g * TOK + t
+    tok_ok = tok < T
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    slot = tl.load(slot_ptr + tok * slot_stride, mask=tok_ok, other=-1).to(tl.int64)
+    k = tl.load(key_ptr + tok[:, None] * k_st + h * k_sh + dk[None, :] * k_sd,
+                mask=tok_ok[:, None] & (dk < DK)[None, :])
+    v = tl.load(value_ptr + tok[:, None] * v_st + h * v_sh + dv[None, :] * v_sd,
+                mask=tok_ok[:, None] & (dv < DV)[None, :])
+    k_scale = 1.0
+    v_scale = 1.0
+    if SCALED:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        if DIV64:
+            k_scale = 1.0 / k_scale.to(tl.float64)
+            v_scale = 1.0 / v_scale.to(tl.float64)
+    valid = tok_ok & (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    blk = slot // BS
+    off = slot % BS
+    k = _to_cache(k, k_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT)
+    v = tl.trans(_to_cache(v, v_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT))  # [BLOCK_DV, TOK]
+    k3 = tl.permute(tl.reshape(k, (TOK, BLOCK_DK // XK, XK)), (1, 0, 2))                       # [DX, TOK, XK]
+    dx = tl.arange(0, BLOCK_DK // XK)
+    di = tl.arange(0, XK)
+    k_in = (dx[:, None, None] * XK + di[None, None, :]) < DK
+    # the group is one run inside one block: slot[i] = slot[0] + i for every i, all valid
+    s0 = tl.sum(tl.where(t == 0, slot, 0), axis=0)
+    shift = slot - t
+    run = (tl.sum(valid.to(tl.int32), axis=0) == TOK) & (tl.min(shift, axis=0) == s0) & \
+        (tl.max(shift, axis=0) == s0) & (s0 % BS + TOK <= BS)
+    if PACKED and run:
+        blk0 = s0 // BS
+        off0 = s0 % BS
+        j = tl.arange(0, TOK * XK)
+        k2 = tl.reshape(k3, (BLOCK_DK // XK, TOK * XK))
+        tl.store(kc_ptr + blk0 * kc_blk + h * kc_h + dx[:, None] * kc_dx + off0 * XK + j[None, :], k2,
+                 mask=((dx[:, None] * XK + j[None, :] % XK) < DK))
+        tl.store(vc_ptr + blk0 * vc_blk + h * vc_h + dv[:, None] * vc_dx + (off0 + t)[None, :], v,
+                 mask=(dv < DV)[:, None])
+    else:
+        tl.store(kc_ptr + (blk * kc_blk + off * kc_off)[None, :, None] + h * kc_h + dx[:, None, None] * kc_dx
+                 + di[None, None, :] * kc_di, k3, mask=k_in & valid[None, :, None])
+        tl.store(vc_ptr + (blk * vc_blk + off * vc_off)[None, :] + h * vc_h + dv[:, None] * vc_dx, v,
+                 mask=(dv < DV)[:, None] & valid[None, :])
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheGeometry:
     """Element strides of one cache as (S_BLK, S_OFF, S_H, S_DX, S_DI) plus the inner width X."""
@@ -205,6 +279,34 @@ def constexprs(h, dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_size, 
 
 
 
+GROUP_TOKENS = 16   # head-major caches: consecutive input tokens one program writes (one head)
+
+
+def group_constexprs(dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_size, codec: Codec,
+                     target: platform.Target) -> dict:
+    """`head_major_group_kernel`'s constexprs (and num_warps). PACKED: the cache rows are contiguous
+    (K: offset stride x, inner stride 1; V: offset stride 1), so a run of slots is a run of addresses."""
+    x = kgeo.x
+    block_dk = max(triton.next_power_of_2(max(dk, 1)), x)
+    block_dv = triton.next_power_of_2(max(dv, 1))
+    packed = kgeo.strides[1] == x and kgeo.strides[4] == 1 and vgeo.strides[1] == 1
+    return dict(DK=dk, DV=dv, XK=x, BS=block_size, TOK=GROUP_TOKENS, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+                PACKED=packed, IN_FP8=codec.in_fp8, OUT_KIND=codec.out_kind, OUT_FP8=codec.out_fp8,
+                SCALED=codec.scaled, DIV64=codec.div64, SW_IN=codec.sw_in, SW_OUT=codec.sw_out,
+                PDL=platform.supports_pdl(target),
+                num_warps=platform.num_warps_for(target, GROUP_TOKENS * max(block_dk, block_dv)))
+
+
+def group_runtime_args(tokens: int, num_slots: int, slot_stride: int, key_strides, value_strides,
+                       kgeo: CacheGeometry, vgeo: CacheGeometry) -> tuple:
+    """`head_major_group_kernel`'s int arguments, in order, after the 7 tensors."""
+    return (tokens, num_slots, slot_stride, *key_strides, *value_strides, *kgeo.strides, *vgeo.strides)
+
+
+def group_grid(tokens: int, heads: int) -> tuple[int, int]:
+    return (-(-tokens // GROUP_TOKENS), heads)
+
+
 TENSOR_ARGS = ("key", "value", "kc", "vc", "slot_mapping", "k_scale", "v_scale")   # the first 7 parameters
 
 
@@ -216,6 +318,7 @@ def runtime_args(num_slots: int, slot_stride: int, vc_start: int, key_strides, v
 
 
 LAUNCHER = FastLauncher(flash_cache_write_kernel)
+GROUP_LAUNCHER = FastLauncher(head_major_group_kernel)
 
 
 # --- compile matrix (torch_dsv4_ops.compile_matrix) -------------------------------------------
@@ -248,7 +351,8 @@ def matrix_launch(target: platform.Target, op: str, layout_name: str, in_dtype, 
     """What ops/cache.py passes to the kernel for one call on `target`: (case name, the 7 tensor
     arguments as `matrix.Ptr`, the int arguments, the constexprs with num_warps).
 
-    op "flash" (layout "nhd" or "head_major") or "diffkv"; 4 blocks of `bs` slots. aligned=False:
+    op "flash" (layout "nhd" or "head_major": `head_major_group_kernel`, T = 3) or "diffkv"; 4 blocks of
+    `bs` slots. aligned=False:
     key and value are packed[:, 1:1+H*Dk] and packed[:, 1+H*Dk:] of one [T, H*(Dk+Dv)+1] buffer
     (unaligned pointers, odd token strides). big_cache: the cache is over 2 GiB (no AMD buffer ops).
     """
@@ -274,11 +378,15 @@ def matrix_launch(target: platform.Target, op: str, layout_name: str, in_dtype, 
     # torch's contiguous strides (a zero-size dim counts as 1), or rows of one packed buffer
     k_strides = torch.empty((4, h, dk), device="meta").stride() if aligned else (row, max(dk, 1), 1)
     v_strides = torch.empty((4, h, dv), device="meta").stride() if aligned else (row, max(dv, 1), 1)
-    meta = constexprs(h, dk, dv, kgeo, vgeo, bs, codec, target)
     tensors = (Ptr(in_view, aligned), Ptr(in_view, aligned), Ptr(cache_view, small=not big_cache),
                Ptr(cache_view, small=not big_cache), Ptr(slot_dtype), Ptr(torch.float32), Ptr(torch.float32))
     assert len(tensors) == len(TENSOR_ARGS)
-    ints = runtime_args(nb * bs, slot_stride, vc_start, k_strides, v_strides, kgeo, vgeo)
+    if layout_name == "head_major":
+        meta = group_constexprs(dk, dv, kgeo, vgeo, bs, codec, target)
+        ints = group_runtime_args(3, nb * bs, slot_stride, k_strides, v_strides, kgeo, vgeo)
+    else:
+        meta = constexprs(h, dk, dv, kgeo, vgeo, bs, codec, target)
+        ints = runtime_args(nb * bs, slot_stride, vc_start, k_strides, v_strides, kgeo, vgeo)
     name = f"{op}_{layout_name}.{_short(in_dtype)}-{kv_cache_dtype}:{_short(cache_dtype)}.h{h}d{dk}" \
         + (f"x{dv}" if dv != dk else "") + f".bs{bs}" + ("" if slot_dtype == torch.int64 else ".slot32") \
         + ("" if slot_stride == 1 else f".slotstride{slot_stride}") + ("" if aligned else ".unaligned") \
@@ -291,10 +399,11 @@ def _matrix_case(target: platform.Target, *spec, **options):
     from .matrix import KernelCase, specialise
 
     name, tensors, ints, meta = matrix_launch(target, *spec, **options)
+    fn = head_major_group_kernel if spec[1] == "head_major" else flash_cache_write_kernel
     meta = dict(meta)
     num_warps = meta.pop("num_warps")
-    signature, consts, attrs = specialise(flash_cache_write_kernel, tensors + ints, meta, target)
-    return KernelCase(name, flash_cache_write_kernel, signature, consts, num_warps, attrs)
+    signature, consts, attrs = specialise(fn, tensors + ints, meta, target)
+    return KernelCase(name, fn, signature, consts, num_warps, attrs)
 
 
 def matrix_cases(target: platform.Target) -> list:

@@ -83,9 +83,12 @@ def check_flash_diffkv(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_sca
     return fmt, bs, nb * bs
 
 
-def _plan(*, key, value, kc, vc, slot_mapping, fmt, block_size, num_slots, kgeo, vgeo, vc_start):
+def _plan(*, key, value, kc, vc, slot_mapping, fmt, block_size, num_slots, kgeo, vgeo, vc_start,
+          head_major=False):
     """The kernel launch for these arguments' metadata (shapes, strides, dtypes, devices,
-    kv_cache_dtype), never their values; None when there is nothing to write (R5)."""
+    kv_cache_dtype), never their values; None when there is nothing to write (R5). Head-major
+    caches go to `head_major_group_kernel` (consecutive tokens per program), the others to
+    `flash_cache_write_kernel` (one token per program)."""
     tokens, heads, dk, dv = slot_mapping.shape[0], key.shape[1], key.shape[2], value.shape[2]
     if tokens == 0 or heads == 0 or dk + dv == 0:
         return None
@@ -93,10 +96,15 @@ def _plan(*, key, value, kc, vc, slot_mapping, fmt, block_size, num_slots, kgeo,
     target = platform.target_for(device)
     codec = kernels.make_codec(key.dtype, kc.dtype, fmt, target)
     in_view, cache_view = kernels.kernel_views(key.dtype, kc.dtype, codec)
-    meta = kernels.launch_options(kernels.constexprs(heads, dk, dv, kgeo, vgeo, block_size, codec, target))
-    ints = kernels.runtime_args(num_slots, slot_mapping.stride(0), vc_start, key.stride(), value.stride(), kgeo, vgeo)
     dtypes = (in_view or key.dtype, in_view or key.dtype, cache_view or kc.dtype, cache_view or kc.dtype,
               slot_mapping.dtype, torch.float32, torch.float32)
+    if head_major:
+        meta = kernels.launch_options(kernels.group_constexprs(dk, dv, kgeo, vgeo, block_size, codec, target))
+        ints = kernels.group_runtime_args(tokens, num_slots, slot_mapping.stride(0), key.stride(), value.stride(),
+                                          kgeo, vgeo)
+        return kernels.GROUP_LAUNCHER.bind(kernels.group_grid(tokens, heads), dtypes, ints, meta, device)
+    meta = kernels.launch_options(kernels.constexprs(heads, dk, dv, kgeo, vgeo, block_size, codec, target))
+    ints = kernels.runtime_args(num_slots, slot_mapping.stride(0), vc_start, key.stride(), value.stride(), kgeo, vgeo)
     return kernels.LAUNCHER.bind((tokens, -(-heads // meta["BLOCK_H"])), dtypes, ints, meta, device)
 
 
@@ -119,13 +127,14 @@ def _flash_kernel(key, value, key_cache, value_cache, slot_mapping, kv_cache_dty
         e4m3 = platform.platform_e4m3(platform.target_for(key_cache.device))
         fmt, bs, num_slots = check_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                                          k_scale, v_scale, e4m3)
-        if key_cache.dim() == 4:
-            kgeo, vgeo = kernels.nhd_geometry(key_cache), kernels.nhd_geometry(value_cache)
-        else:
+        head_major = key_cache.dim() == 5
+        if head_major:
             kgeo, vgeo = kernels.head_major_k_geometry(key_cache), kernels.head_major_v_geometry(value_cache)
+        else:
+            kgeo, vgeo = kernels.nhd_geometry(key_cache), kernels.nhd_geometry(value_cache)
         launch = _FLASH_PLANS.remember(sig, _plan(
             key=key, value=value, kc=key_cache, vc=value_cache, slot_mapping=slot_mapping, fmt=fmt, block_size=bs,
-            num_slots=num_slots, kgeo=kgeo, vgeo=vgeo, vc_start=0))
+            num_slots=num_slots, kgeo=kgeo, vgeo=vgeo, vc_start=0, head_major=head_major))
     if launch is not None:
         launch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
