@@ -213,13 +213,14 @@ _LAUNCH_SPECS = [
     ("diffkv", "nhd", torch.bfloat16, "fp8", torch.uint8, 8, 192, 128, 64),
     ("diffkv", "nhd", torch.bfloat16, "auto", torch.bfloat16, 8, 128, 0, 16),
 ]
-_LAUNCH_OPTIONS = [{}, {"slot_dtype": torch.int32}, {"slot_stride": 2}, {"aligned": False}]
+_LAUNCH_OPTIONS = [{}, {"slot_dtype": torch.int32}, {"slot_stride": 2}, {"aligned": False},
+                   {"tokens": cache_kernels.GROUP_MIN_TOKENS}]
 
 
 def _call_op(device, op, lay, in_dtype, kv_cache_dtype, cache_dtype, h, dk, dv, bs, slot_dtype=torch.int64,
-             slot_stride=1, aligned=True):
+             slot_stride=1, aligned=True, tokens=3):
     """Call the op with real tensors shaped as `cache_kernels.matrix_launch` describes them."""
-    tokens, nb = 3, 4
+    nb = 4
     if aligned:
         key, value = (torch.randn(tokens, h, d, device=device).to(in_dtype) for d in (dk, dv))
     else:

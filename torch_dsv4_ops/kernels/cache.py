@@ -4,8 +4,9 @@
 of heads, and writes that token's K tile and V tile. Every cache address is
 `blk*S_BLK + off*S_OFF + h*S_H + (d // X)*S_DX + (d % X)*S_DI`, which covers NHD (X = 1), head-major
 K (X = x) and head-major V (X = 1, D before the offset) with runtime strides.
-`head_major_group_kernel` serves head-major caches: each program takes GROUP_TOKENS consecutive
-tokens of one head, so that a prefill's run of slots leaves as contiguous rows (full sectors).
+`head_major_group_kernel` serves head-major caches from GROUP_MIN_TOKENS tokens on: each program
+takes GROUP_TOKENS consecutive tokens of one head, so that a prefill's run of slots leaves as
+contiguous rows (full sectors).
 """
 from __future__ import annotations
 
@@ -205,9 +206,10 @@ def head_major_group_kernel(
     slot = tl.where(valid, slot, 0)
     blk = slot // BS
     off = slot % BS
-    k = _to_cache(k, k_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT)
-    v = tl.trans(_to_cache(v, v_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT))  # [BLOCK_DV, TOK]
+    # rearranged before the conversion: the transposes move input-width elements, not fp8 bytes
     k3 = tl.permute(tl.reshape(k, (TOK, BLOCK_DK // XK, XK)), (1, 0, 2))                       # [DX, TOK, XK]
+    k3 = _to_cache(k3, k_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT)
+    v = _to_cache(tl.trans(v), v_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT)  # [BLOCK_DV, TOK]
     dx = tl.arange(0, BLOCK_DK // XK)
     di = tl.arange(0, XK)
     k_in = (dx[:, None, None] * XK + di[None, None, :]) < DK
@@ -279,7 +281,14 @@ def constexprs(h, dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_size, 
 
 
 
-GROUP_TOKENS = 16   # head-major caches: consecutive input tokens one program writes (one head)
+GROUP_TOKENS = 16          # head-major caches: consecutive input tokens one program writes (one head)
+GROUP_MIN_TOKENS = 256     # ... from this many tokens on (prefill sizes); fewer go one token per program
+
+
+def uses_group_kernel(layout_name: str, tokens: int) -> bool:
+    """Whether a write of `tokens` tokens into a cache of `layout_name` launches `head_major_group_kernel`
+    (a host decision from shapes, so graph-safe)."""
+    return layout_name == "head_major" and tokens >= GROUP_MIN_TOKENS
 
 
 def group_constexprs(dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_size, codec: Codec,
@@ -347,12 +356,12 @@ def _short(dtype: torch.dtype) -> str:
 
 def matrix_launch(target: platform.Target, op: str, layout_name: str, in_dtype, kv_cache_dtype: str, cache_dtype,
                   h: int, dk: int, dv: int, bs: int, slot_dtype=torch.int64, slot_stride: int = 1,
-                  aligned: bool = True, big_cache: bool = False):
+                  aligned: bool = True, big_cache: bool = False, tokens: int = 3):
     """What ops/cache.py passes to the kernel for one call on `target`: (case name, the 7 tensor
     arguments as `matrix.Ptr`, the int arguments, the constexprs with num_warps).
 
-    op "flash" (layout "nhd" or "head_major": `head_major_group_kernel`, T = 3) or "diffkv"; 4 blocks of
-    `bs` slots. aligned=False:
+    op "flash" (layout "nhd" or "head_major") or "diffkv"; `tokens` tokens (head-major from
+    GROUP_MIN_TOKENS on: `head_major_group_kernel`); 4 blocks of `bs` slots. aligned=False:
     key and value are packed[:, 1:1+H*Dk] and packed[:, 1+H*Dk:] of one [T, H*(Dk+Dv)+1] buffer
     (unaligned pointers, odd token strides). big_cache: the cache is over 2 GiB (no AMD buffer ops).
     """
@@ -381,16 +390,16 @@ def matrix_launch(target: platform.Target, op: str, layout_name: str, in_dtype, 
     tensors = (Ptr(in_view, aligned), Ptr(in_view, aligned), Ptr(cache_view, small=not big_cache),
                Ptr(cache_view, small=not big_cache), Ptr(slot_dtype), Ptr(torch.float32), Ptr(torch.float32))
     assert len(tensors) == len(TENSOR_ARGS)
-    if layout_name == "head_major":
+    if uses_group_kernel(layout_name, tokens):
         meta = group_constexprs(dk, dv, kgeo, vgeo, bs, codec, target)
-        ints = group_runtime_args(3, nb * bs, slot_stride, k_strides, v_strides, kgeo, vgeo)
+        ints = group_runtime_args(tokens, nb * bs, slot_stride, k_strides, v_strides, kgeo, vgeo)
     else:
         meta = constexprs(h, dk, dv, kgeo, vgeo, bs, codec, target)
         ints = runtime_args(nb * bs, slot_stride, vc_start, k_strides, v_strides, kgeo, vgeo)
     name = f"{op}_{layout_name}.{_short(in_dtype)}-{kv_cache_dtype}:{_short(cache_dtype)}.h{h}d{dk}" \
         + (f"x{dv}" if dv != dk else "") + f".bs{bs}" + ("" if slot_dtype == torch.int64 else ".slot32") \
         + ("" if slot_stride == 1 else f".slotstride{slot_stride}") + ("" if aligned else ".unaligned") \
-        + (".bigcache" if big_cache else "")
+        + (".bigcache" if big_cache else "") + (".group" if uses_group_kernel(layout_name, tokens) else "")
     return name, tensors, ints, meta
 
 
@@ -399,7 +408,8 @@ def _matrix_case(target: platform.Target, *spec, **options):
     from .matrix import KernelCase, specialise
 
     name, tensors, ints, meta = matrix_launch(target, *spec, **options)
-    fn = head_major_group_kernel if spec[1] == "head_major" else flash_cache_write_kernel
+    fn = head_major_group_kernel if uses_group_kernel(spec[1], options.get("tokens", 3)) \
+        else flash_cache_write_kernel
     meta = dict(meta)
     num_warps = meta.pop("num_warps")
     signature, consts, attrs = specialise(fn, tensors + ints, meta, target)
@@ -429,4 +439,8 @@ def matrix_cases(target: platform.Target) -> list:
                   _matrix_case(target, "diffkv", "nhd", i, s, c, 13, 80, 48, 16, aligned=False),
                   _matrix_case(target, "flash", "head_major", i, s, c, 8, 128, 128, 16, big_cache=True),
                   _matrix_case(target, "diffkv", "nhd", i, s, c, 8, 128, 0, 16)]      # Dv = 0: a masked V tile
+    # head-major prefill sizes: the group kernel, for every codec and head-major geometry
+    cases += [_matrix_case(target, op, lay, i, s, c, h, dk, dv, bs, tokens=GROUP_MIN_TOKENS)
+              for i, s, c in _MATRIX_GEOMETRY_CODECS + _MATRIX_FP8_CODECS
+              for op, lay, h, dk, dv, bs in _MATRIX_GEOMETRIES if lay == "head_major"]
     return dedupe(cases)

@@ -87,8 +87,8 @@ def _plan(*, key, value, kc, vc, slot_mapping, fmt, block_size, num_slots, kgeo,
           head_major=False):
     """The kernel launch for these arguments' metadata (shapes, strides, dtypes, devices,
     kv_cache_dtype), never their values; None when there is nothing to write (R5). Head-major
-    caches go to `head_major_group_kernel` (consecutive tokens per program), the others to
-    `flash_cache_write_kernel` (one token per program)."""
+    caches at prefill sizes go to `head_major_group_kernel` (consecutive tokens per program),
+    everything else to `flash_cache_write_kernel` (one token per program)."""
     tokens, heads, dk, dv = slot_mapping.shape[0], key.shape[1], key.shape[2], value.shape[2]
     if tokens == 0 or heads == 0 or dk + dv == 0:
         return None
@@ -98,7 +98,7 @@ def _plan(*, key, value, kc, vc, slot_mapping, fmt, block_size, num_slots, kgeo,
     in_view, cache_view = kernels.kernel_views(key.dtype, kc.dtype, codec)
     dtypes = (in_view or key.dtype, in_view or key.dtype, cache_view or kc.dtype, cache_view or kc.dtype,
               slot_mapping.dtype, torch.float32, torch.float32)
-    if head_major:
+    if head_major and kernels.uses_group_kernel("head_major", tokens):
         meta = kernels.launch_options(kernels.group_constexprs(dk, dv, kgeo, vgeo, block_size, codec, target))
         ints = kernels.group_runtime_args(tokens, num_slots, slot_mapping.stride(0), key.stride(), value.stride(),
                                           kgeo, vgeo)
