@@ -42,7 +42,7 @@ echo "==== hostile indices under compute-sanitizer memcheck ===="
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_k_cache.py tests/test_sparse_index.py \
   tests/test_metadata.py \
-  -k "hostile or layout_variants or diffkv_exact or worked_example or stream_order or (auto_exact_whole_cache and nhd) or strides_differ or head_size_zero or bad_scale_tensors or kv_equals" \
+  -k "hostile or layout_variants or diffkv_exact or worked_example or stream_order or (auto_exact_whole_cache and nhd) or strides_differ or head_size_zero or bad_scale_tensors or kv_equals or prefill_sizes" \
   > "$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$? ($(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log"))"
 

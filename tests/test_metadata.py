@@ -604,8 +604,11 @@ def test_compile_no_recompile(device):
     ks_ = tuple(launcher.fn for launcher in kernels.LAUNCHERS.values()) if counted else ()
     before = [triton_cache_entries(k) for k in ks_]
     check_compile(step, inputs)
-    if counted:
-        assert all(triton_cache_entries(k) - b <= 1 for k, b in zip(ks_, before))
+    if counted:   # one specialisation per kernel for all token counts (swa_kernel: causal and DSpark)
+        allowed = {kernels.SWA_LAUNCHER.fn: 2}
+        grown = {k.__name__: triton_cache_entries(k) - b for k, b in zip(ks_, before)
+                 if triton_cache_entries(k) - b > allowed.get(k, 1)}
+        assert not grown, f"new Triton compilations across token counts: {grown}"
 
 
 @pytest.mark.gpu
