@@ -311,6 +311,26 @@ inline void prepare_native_decode(
   return op.call(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len, compress_ratio);
 }
 
+// dsv4::prepare_swa_decode(Tensor(a!) swa_indices, Tensor(b!) swa_lens, Tensor(c!) token_to_req_indices, Tensor(d!) is_valid_token, int window_size, Tensor query_start_loc, Tensor seq_lens, Tensor slot_mapping, Tensor block_table, int block_size, SymInt num_decode_tokens, bool noncausal=False) -> ()
+inline void prepare_swa_decode(
+    at::Tensor& swa_indices,
+    at::Tensor& swa_lens,
+    at::Tensor& token_to_req_indices,
+    at::Tensor& is_valid_token,
+    int64_t window_size,
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    const at::Tensor& slot_mapping,
+    const at::Tensor& block_table,
+    int64_t block_size,
+    c10::SymInt num_decode_tokens,
+    bool noncausal /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::prepare_swa_decode", "")
+      .typed<void(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::SymInt, bool)>();
+  return op.call(swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size, query_start_loc, seq_lens, slot_mapping, block_table, block_size, num_decode_tokens, noncausal);
+}
+
 // dsv4::prepare_token_metadata(Tensor query_start_loc, Tensor slot_mapping, Tensor(a!) token_to_req_indices, Tensor(b!) is_valid_token) -> ()
 inline void prepare_token_metadata(
     const at::Tensor& query_start_loc,

@@ -26,6 +26,7 @@ TORCH_LIBRARY_FRAGMENT(dsv4, m) {
   m.def("get_compressed_slot_mapping(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio) -> Tensor");
   m.def("get_compressed_slot_mapping_out(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio, Tensor(a!) out) -> ()");
   m.def("prepare_native_decode(Tensor query_start_loc, Tensor seq_lens, Tensor(a!) decode_lens, Tensor(b!) decode_seq_lens, SymInt num_decodes, SymInt max_decode_len, int compress_ratio) -> ()");
+  m.def("prepare_swa_decode(Tensor(a!) swa_indices, Tensor(b!) swa_lens, Tensor(c!) token_to_req_indices, Tensor(d!) is_valid_token, int window_size, Tensor query_start_loc, Tensor seq_lens, Tensor slot_mapping, Tensor block_table, int block_size, SymInt num_decode_tokens, bool noncausal=False) -> ()");
   m.def("prepare_token_metadata(Tensor query_start_loc, Tensor slot_mapping, Tensor(a!) token_to_req_indices, Tensor(b!) is_valid_token) -> ()");
   m.def("prepare_uniform_decode(Tensor seq_lens, Tensor(a!) decode_seq_lens, Tensor block_table, Tensor(b!) expanded_block_table, Tensor(c!) decode_lens, SymInt max_decode_len, SymInt num_decode_tokens) -> ()");
   m.def("prepare_varlen_decode(Tensor query_start_loc, Tensor seq_lens, Tensor block_table, Tensor(a!) decode_seq_lens, Tensor(b!) expanded_block_table, Tensor(c!) decode_lens, Tensor(d!) decode_indices, SymInt num_decodes, SymInt num_decode_tokens) -> ()");

@@ -470,6 +470,52 @@ def test_token_and_native_random(device, impl, kind):
             assert L(dl) == e_dl + [POISON] and L(dsl) == e_dsl + [POISON]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("noncausal", [False, True])
+def test_swa_decode_worked_example(device, impl, noncausal):
+    """SPEC §3.4's SWA example as the builder's fused decode step: window 4, bs 4, seq 10, q 3,
+    bt [5,9,2]; one padding token (slot -1); lens tail zeroed; rows past ndt untouched."""
+    W = 4 if not noncausal else 8
+    idx, lens = poisoned((5, 1, W), device), poisoned((6,), device)
+    t2r, valid = poisoned((5,), device), torch.zeros(5, dtype=torch.bool, device=device)
+    slots = torch.tensor([37, 38, 39, -1], device=device)
+    with impl_ctx(impl, device):
+        d.prepare_swa_decode(idx, lens, t2r, valid, 4, i32([0, 3], device), i32([10], device), slots,
+                             i32([[5, 9, 2]], device), 4, 3, noncausal)
+    if noncausal:   # start = max(7 - 4, 0) = 3, n = min(10 - 3, 8) = 7: positions 3..9
+        row = [23, 36, 37, 38, 39, 8, 9, -1]
+        assert L(idx.view(5, W))[:3] == [row] * 3 and L(lens) == [7, 7, 7, 0, 0, 0]
+    else:
+        assert L(idx.view(5, W))[:3] == [[36, 37, 38, 39], [37, 38, 39, 8], [38, 39, 8, 9]]
+        assert L(lens) == [4, 4, 4, 0, 0, 0]
+    assert L(idx.view(5, W))[3:] == [[POISON] * W] * 2
+    assert L(t2r) == [0, 0, 0, 0, POISON] and L(valid) == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", ["decode", "mixed", "prefill"])
+@pytest.mark.parametrize("noncausal", [False, True])
+def test_swa_decode_random(device, impl, kind, noncausal):
+    """The fused op equals token metadata + SWA rows of the first ndt tokens + a zeroed lens tail."""
+    for seed in range(3):
+        b = make_batch(kind, 60 + seed, bs=16, bt_dtype=torch.int64 if seed == 1 else torch.int32, max_ctx=300)
+        qsl, seq, bt = tensors(b, device)
+        rnd = random.Random(seed)
+        slots = [rnd.choice([-1, rnd.randint(0, 10**5)]) for _ in range(b["T"] + rnd.randint(0, 5))]
+        ndt = b["qsl"][b["nd"]]
+        window, W = 24, (64 if noncausal else 28)
+        idx, lens = poisoned((ndt + 2, W), device), poisoned((len(slots) + 7,), device)
+        t2r, valid = poisoned((len(slots),), device), torch.zeros(len(slots), dtype=torch.bool, device=device)
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
+        with impl_ctx(impl, device):
+            d.prepare_swa_decode(idx, lens, t2r, valid, window, qsl, seq, slot_t, bt, 16, ndt, noncausal)
+        e_t2r, e_valid = o_token_metadata(b["qsl"], slots)
+        e_idx, e_lens = o_swa(ndt, W, window, b["qsl"], b["seq"], e_t2r, e_valid, b["bt"], 16, 0, noncausal)
+        assert L(t2r) == e_t2r and L(valid) == e_valid
+        assert L(idx)[:ndt] == e_idx and L(idx)[ndt:] == [[POISON] * W] * 2
+        assert L(lens) == e_lens + [0] * (len(slots) + 7 - ndt)
+
+
 # === hostile indices (§4 b): the documented result, no access outside the tensors ======================
 @pytest.mark.parametrize("impl", IMPLS)
 def test_hostile_tables_and_requests(device, impl):
@@ -530,6 +576,12 @@ def _bad_cases(dev):
         ("decode_seq_lens", lambda: d.prepare_native_decode(qsl, seq, lens, lens[:1], 1, 2, 4)),
         ("compress_ratio", lambda: d.prepare_native_decode(qsl, seq, lens, lens, 1, 2, 0)),
         ("num_decodes", lambda: d.prepare_native_decode(qsl, seq, lens, lens, 2, 1, 4)),
+        ("num_decode_tokens", lambda: d.prepare_swa_decode(idx, lens, i32([0, 0], dev), ok, 8, qsl, seq,
+                                                           i32([1, 2], dev), bt, 64, 3)),
+        ("W", lambda: d.prepare_swa_decode(idx, lens, i32([0, 0], dev), ok, 16, qsl, seq, i32([1, 2], dev), bt,
+                                           64, 2)),
+        ("swa_lens", lambda: d.prepare_swa_decode(idx, lens.long(), i32([0, 0], dev), ok, 8, qsl, seq,
+                                                  i32([1, 2], dev), bt, 64, 2)),
     ]
 
 
@@ -563,6 +615,8 @@ def opcheck_cases(dev):
         "prepare_token_metadata": (qsl, torch.arange(-3, T + 2, device=dev), z(T + 6),
                                    torch.zeros(T + 5, dtype=torch.bool, device=dev)),
         "prepare_native_decode": (qsl, seq, z(nd + 1), z(2 * nd), nd, 2, 4),
+        "prepare_swa_decode": (z(T, 1, 24), z(T + 3), z(T + 1), torch.zeros(T + 1, dtype=torch.bool, device=dev), 24,
+                               qsl, seq, torch.arange(-3, T - 2, device=dev), bt, 16, b["qsl"][nd]),
     }
 
 
@@ -574,12 +628,13 @@ def test_opcheck(device, impl):
 
 
 def test_compile_no_recompile(device):
-    """fullgraph + dynamic over T in {7, 13, 17}: one graph for all eleven registrations, no new Triton
+    """fullgraph + dynamic over T in {7, 13, 17}: one graph for all twelve registrations, no new Triton
     compilations."""
     def step(qsl, seq, t2r, valid, bt, idx, lens, slots, dsl, ebt, dl, di, cu, ks, ke, tts):
         T = t2r.shape[0]
         d.prepare_token_metadata(qsl, slots, di, valid.clone())
         d.prepare_native_decode(qsl, seq, dl, dsl, 2, 1, 4)
+        d.prepare_swa_decode(idx, lens, di, valid.clone(), 8, qsl, seq, slots, bt, 4, 3)
         s = d.get_compressed_slot_mapping(T, qsl, seq, bt, 4, 4)
         d.get_compressed_slot_mapping(T, qsl, seq, bt, 4, 4, out=slots)
         d.compute_swa_indices_and_lens(idx, lens, 8, qsl, seq, t2r, valid, bt, 4)
@@ -647,6 +702,7 @@ def test_cuda_graph_replay_new_metadata():
         d.fill_prefill_chunk_metadata(qsl, seq, seq // 4, 0, R, 0, T, 4, 0, 1, 1, cu, ks, ke, tts)
         d.prepare_token_metadata(qsl, slots[:T], vdi, valid.clone())
         d.prepare_native_decode(qsl, seq, dl, dsl, R, 2, 4)
+        d.prepare_swa_decode(idx, lens, vdi, valid.clone(), 24, qsl, seq, slots[:T], bt, 16, T)
 
     check_cuda_graph(step, static + bufs, [inputs(s) + tuple(torch.zeros_like(x) for x in bufs) for s in (8, 9)])
 

@@ -85,6 +85,7 @@ dsv4::fill_short_context_topk_indices(Tensor(a!) topk_indices, Tensor positions,
 dsv4::get_compressed_slot_mapping(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio) -> Tensor
 dsv4::get_compressed_slot_mapping_out(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio, Tensor(a!) out) -> ()
 dsv4::prepare_native_decode(Tensor query_start_loc, Tensor seq_lens, Tensor(a!) decode_lens, Tensor(b!) decode_seq_lens, SymInt num_decodes, SymInt max_decode_len, int compress_ratio) -> ()
+dsv4::prepare_swa_decode(Tensor(a!) swa_indices, Tensor(b!) swa_lens, Tensor(c!) token_to_req_indices, Tensor(d!) is_valid_token, int window_size, Tensor query_start_loc, Tensor seq_lens, Tensor slot_mapping, Tensor block_table, int block_size, SymInt num_decode_tokens, bool noncausal=False) -> ()
 dsv4::prepare_token_metadata(Tensor query_start_loc, Tensor slot_mapping, Tensor(a!) token_to_req_indices, Tensor(b!) is_valid_token) -> ()
 dsv4::prepare_uniform_decode(Tensor seq_lens, Tensor(a!) decode_seq_lens, Tensor block_table, Tensor(b!) expanded_block_table, Tensor(c!) decode_lens, SymInt max_decode_len, SymInt num_decode_tokens) -> ()
 dsv4::prepare_varlen_decode(Tensor query_start_loc, Tensor seq_lens, Tensor block_table, Tensor(a!) decode_seq_lens, Tensor(b!) expanded_block_table, Tensor(c!) decode_lens, Tensor(d!) decode_indices, SymInt num_decodes, SymInt num_decode_tokens) -> ()

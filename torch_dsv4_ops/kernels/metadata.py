@@ -60,17 +60,10 @@ def compressed_slot_kernel(
 
 # --- compute_swa_indices_and_lens and the DSpark non-causal variant ------------------------------
 @triton.jit
-def swa_kernel(
-    t2r_ptr, valid_ptr, qsl_ptr, seq_ptr, bt_ptr, idx_ptr, lens_ptr,
-    token_offset, R, W, t2r_s, valid_s, qsl_s, seq_s, bt_rows, bt_cols, bt_s0, bt_s1, idx_s0, idx_s1, lens_s,
-    WINDOW: tl.constexpr, BS: tl.constexpr, NONCAUSAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-):
-    i = tl.program_id(0).to(tl.int64)
-    t = token_offset + i
+def _swa_row(r, valid, t, R, W, qsl_ptr, seq_ptr, bt_ptr, row, lens_at, qsl_s, seq_s, bt_rows, bt_cols, bt_s0,
+             bt_s1, idx_s1, WINDOW: tl.constexpr, BS: tl.constexpr, NONCAUSAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One SWA row (SPEC §3.4) of token t of request r: W columns at `row`, its length at `lens_at`."""
     cols = tl.arange(0, BLOCK).to(tl.int64)
-    _pdl_start(PDL)
-    r = tl.load(t2r_ptr + t * t2r_s).to(tl.int64)
-    valid = tl.load(valid_ptr + t * valid_s) != 0
     ok = valid & (r >= 0) & (r < R)
     rr = tl.where(ok, r, 0)
     qs = tl.load(qsl_ptr + rr * qsl_s, mask=ok, other=0).to(tl.int64)
@@ -86,12 +79,60 @@ def swa_kernel(
         start = tl.maximum(pos - WINDOW + 1, 0)
         n = pos + 1 - start
     n = tl.where(ok, n, 0)
-    row = idx_ptr + i * idx_s0
     for c0 in range(0, W, BLOCK):
         c = c0 + cols
         slot = _lookup(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, rr, tl.where(c < n, start + c, -1), BS)
         tl.store(row + c * idx_s1, _i32(slot), mask=c < W)
-    tl.store(lens_ptr + i * lens_s, n.to(tl.int32))
+    tl.store(lens_at, n.to(tl.int32))
+
+
+@triton.jit
+def swa_kernel(
+    t2r_ptr, valid_ptr, qsl_ptr, seq_ptr, bt_ptr, idx_ptr, lens_ptr,
+    token_offset, R, W, t2r_s, valid_s, qsl_s, seq_s, bt_rows, bt_cols, bt_s0, bt_s1, idx_s0, idx_s1, lens_s,
+    WINDOW: tl.constexpr, BS: tl.constexpr, NONCAUSAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    t = token_offset + i
+    _pdl_start(PDL)
+    r = tl.load(t2r_ptr + t * t2r_s).to(tl.int64)
+    valid = tl.load(valid_ptr + t * valid_s) != 0
+    _swa_row(r, valid, t, R, W, qsl_ptr, seq_ptr, bt_ptr, idx_ptr + i * idx_s0, lens_ptr + i * lens_s, qsl_s,
+             seq_s, bt_rows, bt_cols, bt_s0, bt_s1, idx_s1, WINDOW, BS, NONCAUSAL, BLOCK)
+
+
+@triton.jit
+def swa_decode_kernel(
+    qsl_ptr, seq_ptr, slot_ptr, bt_ptr, t2r_ptr, valid_ptr, idx_ptr, lens_ptr,
+    Rq, R, T, ndt, W, n_lens, qsl_s, seq_s, slot_s, bt_rows, bt_cols, bt_s0, bt_s1, t2r_s, valid_s, idx_s0, idx_s1,
+    lens_s,
+    WINDOW: tl.constexpr, BS: tl.constexpr, NONCAUSAL: tl.constexpr, BLOCK: tl.constexpr, SEARCH: tl.constexpr,
+    ROWS: tl.constexpr, PDL: tl.constexpr,
+):
+    """Programs [0, T): token i's request (the count of qsl[1..Rq] <= i; 0 outside [qsl[0], qsl[Rq])) and
+    validity, and for i < ndt its SWA row. Programs T..: ROWS-row tiles of swa_lens[ndt:] set to 0."""
+    p = tl.program_id(0).to(tl.int64)
+    _pdl_start(PDL)
+    if p < T:
+        ks = tl.arange(0, SEARCH).to(tl.int64)
+        first = tl.load(qsl_ptr).to(tl.int64)
+        last = tl.load(qsl_ptr + Rq * qsl_s).to(tl.int64)
+        slot = tl.load(slot_ptr + p * slot_s)
+        b = p * 0
+        for k0 in range(0, Rq, SEARCH):
+            k = k0 + ks
+            a = tl.load(qsl_ptr + (k + 1) * qsl_s, mask=k < Rq, other=0).to(tl.int64)
+            b += tl.sum(((a <= p) & (k < Rq)).to(tl.int64), axis=0)
+        r = tl.where((p >= first) & (p < last), b, 0)
+        valid = slot >= 0
+        tl.store(t2r_ptr + p * t2r_s, r.to(tl.int32))
+        tl.store(valid_ptr + p * valid_s, valid)
+        if p < ndt:
+            _swa_row(r, valid, p, R, W, qsl_ptr, seq_ptr, bt_ptr, idx_ptr + p * idx_s0, lens_ptr + p * lens_s,
+                     qsl_s, seq_s, bt_rows, bt_cols, bt_s0, bt_s1, idx_s1, WINDOW, BS, NONCAUSAL, BLOCK)
+    else:
+        rows = ndt + (p - T) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        tl.store(lens_ptr + rows * lens_s, tl.zeros((ROWS,), tl.int32), mask=rows < n_lens)
 
 
 # --- compute_prefill_gather_lens ------------------------------------------------------------------
@@ -288,10 +329,11 @@ UNIFORM_LAUNCHER = FastLauncher(uniform_decode_kernel)
 VARLEN_LAUNCHER = FastLauncher(varlen_decode_kernel)
 CHUNK_LAUNCHER = FastLauncher(prefill_chunk_kernel)
 TOKEN_LAUNCHER = FastLauncher(token_metadata_kernel)
+SWA_DECODE_LAUNCHER = FastLauncher(swa_decode_kernel)
 NATIVE_LAUNCHER = FastLauncher(native_decode_kernel)
 LAUNCHERS = {"slot": SLOT_LAUNCHER, "swa": SWA_LAUNCHER, "gather_lens": GATHER_LENS_LAUNCHER,
              "uniform": UNIFORM_LAUNCHER, "varlen": VARLEN_LAUNCHER, "chunk": CHUNK_LAUNCHER,
-             "token": TOKEN_LAUNCHER, "native": NATIVE_LAUNCHER}
+             "token": TOKEN_LAUNCHER, "native": NATIVE_LAUNCHER, "swa_decode": SWA_DECODE_LAUNCHER}
 
 
 # --- constexprs and runtime arguments (shared by the ops and the compile matrix) ------------------
@@ -371,6 +413,20 @@ def token_runtime_args(Rq, T, qsl, slot, t2r, valid) -> tuple:
     return (Rq, T, qsl.stride(0), slot.stride(0), t2r.stride(0), valid.stride(0))
 
 
+def swa_decode_constexprs(window_size: int, block_size: int, noncausal: bool, width: int,
+                          target: platform.Target) -> dict:
+    return dict(swa_constexprs(window_size, block_size, noncausal, width, target), SEARCH=SEARCH, ROWS=ROW_BLOCK)
+
+
+def swa_decode_grid(T: int, ndt: int, n_lens: int) -> int:
+    return T + layout.cdiv(max(n_lens - ndt, 0), ROW_BLOCK)
+
+
+def swa_decode_runtime_args(Rq, R, T, ndt, W, qsl, seq, slot, bt, t2r, valid, idx_strides, lens) -> tuple:
+    return (Rq, R, T, ndt, W, lens.shape[0], qsl.stride(0), seq.stride(0), slot.stride(0), bt.shape[0], bt.shape[1],
+            *bt.stride(), t2r.stride(0), valid.stride(0), *idx_strides, lens.stride(0))
+
+
 def native_constexprs(compress_ratio: int, target: platform.Target) -> dict:
     return dict(RATIO=max(compress_ratio, 1), **_common(ROW_BLOCK, target))
 
@@ -390,7 +446,7 @@ def _case(target, name, fn, tensors, ints, meta):
 
 
 def matrix_cases(target: platform.Target) -> list:
-    """Specialisations of the eight metadata kernels on `target`: DSV4 shapes (window 128, DSpark
+    """Specialisations of the nine metadata kernels on `target`: DSV4 shapes (window 128, DSpark
     widths 192/576, ratios 4/128 with storage bs 64/2, SWA bs 64), int32 and int64 block tables,
     int32 and int64 query_start_loc/seq_lens, DCP on and off. Ints are representative."""
     from .matrix import Ptr, dedupe
@@ -423,6 +479,15 @@ def matrix_cases(target: platform.Target) -> list:
         cases.append(_case(target, f"token_metadata.slot{32 if slot_dtype == i32 else 64}", token_metadata_kernel,
                            (Ptr(i32), Ptr(slot_dtype), Ptr(i32), Ptr(b8)), (5, 300, 1, 1, 1, 1),
                            token_constexprs(target)))
+        for bt_dtype in (i32, i64):
+            for noncausal, window, width in ((False, 128, 128), (True, 128, 192)):
+                cases.append(_case(
+                    target, f"swa_decode.w{window}.W{width}{'.noncausal' if noncausal else ''}."
+                            f"slot{32 if slot_dtype == i32 else 64}.bt{32 if bt_dtype == i32 else 64}",
+                    swa_decode_kernel, (Ptr(i32), Ptr(i32), Ptr(slot_dtype), Ptr(bt_dtype), Ptr(i32), Ptr(b8),
+                                        Ptr(i32), Ptr(i32)),
+                    (5, 5, 300, 10, width, 8192, 1, 1, 1, 5, 33, 33, 1, 1, 1, width, 1, 1),
+                    swa_decode_constexprs(window, layout.SWA_BLOCK_SIZE, noncausal, width, target)))
     for len_dtype in (i32, i64):
         tag = "len32" if len_dtype == i32 else "len64"
         for ratio in (1, 4, 128):

@@ -16,7 +16,8 @@ import torch
 
 from ..ops.metadata import (compute_dspark_noncausal_swa_indices_and_lens, compute_prefill_gather_lens,
                             compute_swa_indices_and_lens, get_compressed_slot_mapping, prepare_native_decode,
-                            prepare_token_metadata, prepare_uniform_decode, prepare_varlen_decode)
+                            prepare_swa_decode, prepare_token_metadata, prepare_uniform_decode,
+                            prepare_varlen_decode)
 from .chunks import fill_chunk
 from .planners import (get_dspark_swa_index_width, get_max_prefill_buffer_size, split_decodes_and_prefills,
                        split_indexer_prefill_chunks)
@@ -206,19 +207,18 @@ class SWAMetadataBuilder:
 
         t2r = self.token_to_req_indices[:T_pad]
         valid = self.is_valid_token[:T_pad]
-        if T_pad:
-            prepare_token_metadata(qsl_dev, batch.slot_mapping, self.token_to_req_indices, self.is_valid_token)
-
         window = self.window_size
         if causal:
-            dec_buf, width, dec_op = self.decode_swa_indices, window, compute_swa_indices_and_lens
+            dec_buf, width = self.decode_swa_indices, window
         else:
             dec_buf, width = self.decode_swa_indices_noncausal, self.noncausal_index_width
-            dec_op = compute_dspark_noncausal_swa_indices_and_lens
-        dec_idx, dec_lens = dec_buf[:ndt], self.decode_swa_lens[:ndt]
         if ndt:
-            self.decode_swa_lens[ndt:].zero_()
-            dec_op(dec_idx, dec_lens, window, qsl_dev, seq_lens, t2r, valid, bt, self.block_size, 0)
+            # steps 2-4 in one launch: token_to_req, is_valid_token, the decode rows, lens[ndt:] = 0
+            prepare_swa_decode(dec_buf, self.decode_swa_lens, self.token_to_req_indices, self.is_valid_token, window,
+                               qsl_dev, seq_lens, batch.slot_mapping, bt, self.block_size, ndt, not causal)
+        elif T_pad:
+            prepare_token_metadata(qsl_dev, batch.slot_mapping, self.token_to_req_indices, self.is_valid_token)
+        dec_idx, dec_lens = dec_buf[:ndt], self.decode_swa_lens[:ndt]
         pre_idx = pre_lens = None
         if npt:
             pre_idx, pre_lens = self.prefill_swa_indices[:npt], self.prefill_swa_lens[:npt]

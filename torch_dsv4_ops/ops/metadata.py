@@ -1,8 +1,8 @@
 """Metadata ops (SPEC §3.4): `dsv4::get_compressed_slot_mapping[_out]`, `compute_swa_indices_and_lens`,
 `compute_dspark_noncausal_swa_indices_and_lens`, `compute_prefill_gather_lens[_out]`,
 `prepare_uniform_decode`, `prepare_varlen_decode`, `fill_prefill_chunk_metadata` (the device part
-of `metadata.build_prefill_chunk_metadata`), and the builders' fused steps `prepare_token_metadata`
-and `prepare_native_decode`.
+of `metadata.build_prefill_chunk_metadata`), and the builders' fused steps `prepare_token_metadata`,
+`prepare_swa_decode` and `prepare_native_decode`.
 
 The Python entry points mirror vLLM's functions of the same names (names, argument names, order,
 defaults); output buffers are a trailing `out=` where vLLM allocates.
@@ -214,6 +214,30 @@ def check_native(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_de
     _rows("seq_lens", seq_lens, num_decodes)
     _rows("decode_lens", decode_lens, num_decodes)
     _rows("decode_seq_lens", decode_seq_lens, num_decodes * max_decode_len)
+
+
+def check_swa_decode(swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size, query_start_loc,
+                     seq_lens, slot_mapping, block_table, block_size, num_decode_tokens) -> tuple[int, int, int]:
+    """Validate prepare_swa_decode; return (Rq = len(qsl) - 1, T = len(slot_mapping), W)."""
+    check_tensor("swa_indices", swa_indices, ndim=(2, 3), dtypes=I32)
+    device = swa_indices.device
+    if swa_indices.dim() == 3 and swa_indices.shape[1] != 1:
+        raise ValueError(f"swa_indices must be [rows, W] or [rows, 1, W], got {tuple(swa_indices.shape)}")
+    W = swa_indices.shape[-1]
+    _int("window_size", window_size, 1)
+    if _known(W, window_size) and W < window_size:
+        raise ValueError(f"swa_indices has {W} columns (W), fewer than window_size {window_size}")
+    _vector("swa_lens", swa_lens, device, I32)
+    Rq, T = check_token_metadata(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token)
+    _vector("seq_lens", seq_lens, device)
+    check_tensor("block_table", block_table, ndim=2, dtypes=INT_DTYPES, device=device)
+    _int("block_size", block_size, 1)
+    _int("num_decode_tokens", num_decode_tokens, 0)
+    if _known(num_decode_tokens, T) and num_decode_tokens > T:
+        raise ValueError(f"num_decode_tokens ({num_decode_tokens}) exceeds the {T} tokens of slot_mapping")
+    _rows("swa_indices", swa_indices, num_decode_tokens)
+    _rows("swa_lens", swa_lens, num_decode_tokens)
+    return Rq, T, W
 
 
 # --- plans ---------------------------------------------------------------------------------------
@@ -670,6 +694,64 @@ def _native_examples():
         qsl, seq, torch.full((6,), 7, dtype=torch.int32), torch.full((12,), 7, dtype=torch.int32), 5, 2, 4)}
 
 
+# --- prepare_swa_decode --------------------------------------------------------------------------
+def _swa_decode_launch(noncausal, swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size,
+                       query_start_loc, seq_lens, slot_mapping, block_table, block_size, num_decode_tokens):
+    args = (swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size, query_start_loc, seq_lens,
+            slot_mapping, block_table, block_size, num_decode_tokens, noncausal)
+    tensors = (query_start_loc, seq_lens, slot_mapping, block_table, token_to_req_indices, is_valid_token,
+               swa_indices, swa_lens)
+
+    def make():
+        Rq, T, W = check_swa_decode(*args[:11])
+        grid = kernels.swa_decode_grid(T, num_decode_tokens, swa_lens.shape[0])
+        if grid == 0:
+            return None
+        R = min(Rq, seq_lens.shape[0])
+        ints = kernels.swa_decode_runtime_args(Rq, R, T, num_decode_tokens, W, query_start_loc, seq_lens,
+                                               slot_mapping, block_table, token_to_req_indices, is_valid_token,
+                                               (swa_indices.stride(0), swa_indices.stride(-1)), swa_lens)
+        meta = kernels.swa_decode_constexprs(window_size, block_size, noncausal, W,
+                                             platform.target_for(swa_indices.device))
+        return _bind(kernels.SWA_DECODE_LAUNCHER, grid, tensors, ints, meta, swa_indices.device)
+
+    _plan("swa_decode", args, make, tensors)
+
+
+def _swa_decode_kernel(swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size, query_start_loc,
+                       seq_lens, slot_mapping, block_table, block_size, num_decode_tokens, noncausal=False):
+    _swa_decode_launch(noncausal, swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size,
+                       query_start_loc, seq_lens, slot_mapping, block_table, block_size, num_decode_tokens)
+
+
+def _swa_decode_reference(swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size,
+                          query_start_loc, seq_lens, slot_mapping, block_table, block_size, num_decode_tokens,
+                          noncausal=False):
+    args = (swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size, query_start_loc, seq_lens,
+            slot_mapping, block_table, block_size, num_decode_tokens)
+    check_swa_decode(*args)
+    reference.prepare_swa_decode(*args, noncausal)
+
+
+def _swa_decode_fake(swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size, query_start_loc,
+                     seq_lens, slot_mapping, block_table, block_size, num_decode_tokens, noncausal=False):
+    check_swa_decode(swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size, query_start_loc,
+                     seq_lens, slot_mapping, block_table, block_size, num_decode_tokens)
+
+
+def _swa_decode_examples():
+    g = torch.Generator().manual_seed(0)
+    qlens, seq = [2] * 6 + [0, 2], [2, 130, 300, 64, 1000, 5, 9, 170]
+    T = sum(qlens)
+    qsl = torch.tensor([0] + [sum(qlens[:i + 1]) for i in range(len(qlens))], dtype=torch.int32)
+    slots = torch.randint(-1, 9000, (T + 3,), generator=g)
+    bt = torch.randint(-1, 3000, (len(qlens), 20), generator=g, dtype=torch.int32)
+    full = lambda *shape: torch.full(shape, 7, dtype=torch.int32)  # noqa: E731
+    return {"8 MTP decodes (one empty), 3 padding tokens, window 128": (
+        full(T + 5, 1, 128), full(T + 9), full(T + 3), torch.zeros(T + 3, dtype=torch.bool), 128, qsl,
+        torch.tensor(seq, dtype=torch.int32), slots, bt, 64, T)}
+
+
 # --- registration ------------------------------------------------------------------------------
 _SLOT_ARGS = "SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, " \
              "int compress_ratio"
@@ -722,6 +804,14 @@ _native_op = register_op(
     "prepare_native_decode(Tensor query_start_loc, Tensor seq_lens, Tensor(a!) decode_lens, "
     "Tensor(b!) decode_seq_lens, SymInt num_decodes, SymInt max_decode_len, int compress_ratio) -> ()",
     reference=_native_reference, kernel=_native_kernel, fake=_native_fake, examples=_native_examples)
+
+
+_swa_decode_op = register_op(
+    "prepare_swa_decode(Tensor(a!) swa_indices, Tensor(b!) swa_lens, Tensor(c!) token_to_req_indices, "
+    "Tensor(d!) is_valid_token, int window_size, Tensor query_start_loc, Tensor seq_lens, Tensor slot_mapping, "
+    "Tensor block_table, int block_size, SymInt num_decode_tokens, bool noncausal=False) -> ()",
+    reference=_swa_decode_reference, kernel=_swa_decode_kernel, fake=_swa_decode_fake,
+    examples=_swa_decode_examples)
 
 
 # --- public functions (vLLM's names, argument names, order and defaults) --------------------------
@@ -851,3 +941,18 @@ def prepare_native_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     (the (nd, L) row-major view the logits kernel reads). decode_lens [>= nd], decode_seq_lens
     [>= nd*L] int32; query_start_loc [>= nd+1], seq_lens [>= nd] int32/int64."""
     _native_op(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_decodes, max_decode_len, compress_ratio)
+
+
+def prepare_swa_decode(swa_indices: torch.Tensor, swa_lens: torch.Tensor, token_to_req_indices: torch.Tensor,
+                       is_valid_token: torch.Tensor, window_size: int, query_start_loc: torch.Tensor,
+                       seq_lens: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                       block_size: int, num_decode_tokens: int, noncausal: bool = False) -> None:
+    """The SWA builder's decode work (SPEC §3.6.1 steps 2-4) in one launch; a package addition.
+
+    Equal to `prepare_token_metadata(query_start_loc, slot_mapping, token_to_req_indices,
+    is_valid_token)`, then `compute_swa_indices_and_lens` (or the DSpark variant when `noncausal`)
+    into rows [0, num_decode_tokens) of swa_indices / swa_lens with token_offset 0, then
+    swa_lens[num_decode_tokens:] = 0. swa_indices [>= ndt, W] or [>= ndt, 1, W] int32 (rows past ndt
+    untouched); swa_lens [>= ndt] int32; the rest as in those two ops."""
+    _swa_decode_op(swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size, query_start_loc,
+                   seq_lens, slot_mapping, block_table, block_size, num_decode_tokens, noncausal)

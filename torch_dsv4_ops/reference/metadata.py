@@ -190,3 +190,16 @@ def prepare_native_decode(query_start_loc, seq_lens, decode_lens, decode_seq_len
     j = torch.arange(L, dtype=torch.int64)[None, :]
     ctx = (seq_lens[:nd].long()[:, None] - L + 1 + j).clamp(min=0) // compress_ratio
     decode_seq_lens[:nd * L] = ctx.reshape(-1).to(decode_seq_lens.dtype)
+
+
+def prepare_swa_decode(swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size, query_start_loc,
+                       seq_lens, slot_mapping, block_table, block_size, num_decode_tokens, noncausal) -> None:
+    """The SWA builder's decode work in one op: `prepare_token_metadata`, then the (causal or DSpark)
+    SWA rows of tokens [0, num_decode_tokens) and swa_lens[num_decode_tokens:] = 0."""
+    prepare_token_metadata(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token)
+    ndt = num_decode_tokens
+    rows = swa_indices[:, 0] if swa_indices.dim() == 3 else swa_indices
+    compute_swa_indices_and_lens(rows[:ndt], swa_lens[:ndt], window_size,
+                                 query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table,
+                                 block_size, 0, noncausal=noncausal)
+    swa_lens[ndt:] = 0
