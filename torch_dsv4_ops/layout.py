@@ -141,3 +141,8 @@ def combine_width(topk: int, window_size: int) -> int:
 def flashinfer_compressed_width(topk: int, kd: int) -> int:
     """P, the compressed columns of build_flashinfer_mixed_sparse_indices' rows."""
     return round_up(max(topk, kd), FLASHINFER_COLUMN_ALIGN)
+
+
+# --- Metadata (SPEC §3.4, §3.6) --------------------------------------------------------------------
+DSPARK_WIDTH_ALIGN = 64                     # DSpark SWA rows: round_up(window + num_spec, 64) columns
+PREFILL_BUFFER_TOKENS_PER_MODEL_LEN = 40    # indexer: max_prefill_buffer_size = max_model_len * 40

@@ -11,9 +11,6 @@ import torch
 
 from .. import layout
 
-DSPARK_WIDTH_ALIGN = 64                     # SPEC §3.4: DSpark SWA rows are round_up(window + num_spec, 64) wide
-PREFILL_BUFFER_TOKENS_PER_MODEL_LEN = 40    # SPEC §3.6.2: max_prefill_buffer_size = max_model_len * 40
-
 
 # --- validation (ValueError naming the argument) -------------------------------------------------
 def _int(name: str, value, minimum: int | None = None) -> int:
@@ -186,9 +183,9 @@ def get_dspark_swa_index_width(window_size: int, num_speculative_tokens: int) ->
     """Row width W of the DSpark non-causal SWA indices: round_up(max(window, 0) + max(num_spec, 0), 64)."""
     window = _int("window_size", window_size)
     num_spec = _int("num_speculative_tokens", num_speculative_tokens)
-    return layout.round_up(max(window, 0) + max(num_spec, 0), DSPARK_WIDTH_ALIGN)
+    return layout.round_up(max(window, 0) + max(num_spec, 0), layout.DSPARK_WIDTH_ALIGN)
 
 
 def get_max_prefill_buffer_size(max_model_len: int) -> int:
     """Default indexer prefill gather workspace, in compressed tokens: max_model_len * 40."""
-    return _int("max_model_len", max_model_len, 0) * PREFILL_BUFFER_TOKENS_PER_MODEL_LEN
+    return _int("max_model_len", max_model_len, 0) * layout.PREFILL_BUFFER_TOKENS_PER_MODEL_LEN
