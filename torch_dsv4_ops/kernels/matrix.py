@@ -126,6 +126,15 @@ def specialise(fn, args: Sequence, meta: dict[str, Any], target: platform.Target
     return signature, constexprs, attrs
 
 
+def kernel_case(target: platform.Target, name: str, fn, tensors, ints, meta: dict) -> KernelCase:
+    """A case from a launcher's tensor arguments (`Ptr`s), int arguments and constexprs (num_warps
+    included)."""
+    meta = dict(meta)
+    num_warps = meta.pop("num_warps")
+    signature, consts, attrs = specialise(fn, tuple(tensors) + tuple(ints), meta, target)
+    return KernelCase(name, fn, signature, consts, num_warps, attrs)
+
+
 def dedupe(cases: list[KernelCase]) -> list[KernelCase]:
     """Drop cases that compile to the same kernel as an earlier one; names must stay unique."""
     seen, names, out = set(), set(), []

@@ -437,12 +437,8 @@ def native_runtime_args(nd, L, qsl, seq, dl, dsl) -> tuple:
 
 # --- compile matrix (torch_dsv4_ops.compile_matrix) -------------------------------------------
 def _case(target, name, fn, tensors, ints, meta):
-    from .matrix import KernelCase, specialise
-
-    meta = dict(meta)
-    num_warps = meta.pop("num_warps")
-    signature, consts, attrs = specialise(fn, tuple(tensors) + tuple(ints), meta, target)
-    return KernelCase(name, fn, signature, consts, num_warps, attrs)
+    from .matrix import kernel_case
+    return kernel_case(target, name, fn, tensors, ints, meta)
 
 
 def matrix_cases(target: platform.Target) -> list:
