@@ -16,7 +16,7 @@ import statistics
 import torch
 
 import torch_dsv4_ops as d
-from torch_dsv4_ops import layout
+from torch_dsv4_ops import layout, testing
 
 from . import harness
 
@@ -69,22 +69,7 @@ def make_batches(step: Step, device: torch.device, seed: int):
     q = [1 + NUM_SPEC] * step.decodes + [step.prefill_len] * step.prefills
     seq = [rnd.randint(1 + NUM_SPEC, MAX_MODEL_LEN) for _ in range(step.decodes)] + \
           [step.prefill_len + rnd.randint(0, 4096) for _ in range(step.prefills)]
-    R, T = len(q), sum(q)
-    qsl_cpu = torch.tensor([0] + list(torch.tensor(q).cumsum(0)), dtype=torch.int32)
-    seq_cpu = torch.tensor(seq, dtype=torch.int32)
-    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(seq, q)])
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    req = torch.repeat_interleave(torch.arange(R), torch.tensor(q))
-    for tokens_per_block in (SWA_BS, STORAGE_BS * RATIO):
-        width = layout.cdiv(MAX_MODEL_LEN, tokens_per_block)
-        bt = torch.randint(0, 200000, (R, width), generator=g, dtype=torch.int32)
-        slots = bt[req, positions // tokens_per_block].long() * tokens_per_block + positions % tokens_per_block
-        out.append(d.BatchDescription(
-            query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu, seq_lens=seq_cpu.to(device),
-            seq_lens_cpu_upper_bound=seq_cpu, block_table=bt.to(device), slot_mapping=slots.to(device),
-            num_actual_tokens=T, max_query_len=max(q), max_seq_len=max(seq), positions=positions.to(device)))
-    return tuple(out)
+    return testing.metadata_step_batches(device, q, seq, MAX_MODEL_LEN, torch.Generator().manual_seed(seed))
 
 
 def run_step(builders, batches):

@@ -12,9 +12,8 @@ import torch
 import torch_dsv4_ops as d
 from torch_dsv4_ops import layout
 from torch_dsv4_ops.kernels import sparse_index as kernels
-from torch_dsv4_ops.testing import (as_list, assert_bitwise_equal, check_compile, check_cuda_graph, i32,
-                                    implementation, oracle_lookup, run_opcheck, sync_debug_error,
-                                    triton_cache_entries)
+from torch_dsv4_ops.testing import (as_list, assert_bitwise_equal, check_compile, check_cuda_graph, check_sync_free,
+                                    i32, implementation, oracle_lookup, run_opcheck, triton_cache_entries)
 
 OPS = torch.ops.dsv4
 I32MAX = 2**31 - 1
@@ -829,11 +828,7 @@ def test_cuda_graph_combine_and_flashinfer():
 
 @pytest.mark.gpu
 def test_sync_free():
-    args = opcheck_cases(torch.device("cuda"))
-    with sync_debug_error():
-        for name, a in args.items():
-            getattr(OPS, name).default(*a)
-    torch.cuda.synchronize()
+    check_sync_free(opcheck_cases(torch.device("cuda")))
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from . import library, platform
+from . import library, platform, testing
 from .testing import as_bytes
 
 
@@ -110,28 +110,12 @@ def _tensors(x) -> list:
 
 def metadata_step_batches(device, decodes: int = 6, prefill_lens=(37, 300), seed: int = 0):
     """(SWA-group batch, indexer-group batch) of one mixed step: `decodes` MTP decodes (2 query
-    tokens), then prefills; the two groups share the requests and have their own block tables
-    (SWA: 64 tokens per block; indexer: storage block 64, ratio 4)."""
-    from .metadata import BatchDescription
-
+    tokens), then prefills; contexts up to 5000, some table entries -1."""
     g = torch.Generator().manual_seed(seed)
     q = [2] * decodes + list(prefill_lens)
     seq = [int(torch.randint(2, 5000, (1,), generator=g)) for _ in range(decodes)] + \
           [n + int(torch.randint(0, 300, (1,), generator=g)) for n in prefill_lens]
-    qsl = torch.tensor([0] + torch.tensor(q).cumsum(0).tolist(), dtype=torch.int32)
-    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(seq, q)])
-    req = torch.repeat_interleave(torch.arange(len(q)), torch.tensor(q))
-    seq_t = torch.tensor(seq, dtype=torch.int32)
-    batches = []
-    for tokens_per_block in (64, 256):
-        table = torch.randint(-1, 20000, (len(q), 5000 // tokens_per_block + 2), generator=g, dtype=torch.int32)
-        slots = table[req, positions // tokens_per_block].long() * tokens_per_block + positions % tokens_per_block
-        batches.append(BatchDescription(
-            query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq_t.to(device),
-            seq_lens_cpu_upper_bound=seq_t, block_table=table.to(device), slot_mapping=slots.to(device),
-            num_actual_tokens=int(qsl[-1]), max_query_len=max(q), max_seq_len=max(seq),
-            positions=positions.to(device)))
-    return tuple(batches)
+    return testing.metadata_step_batches(device, q, seq, 5000 + 128, g, min_block=-1, max_block=20000)
 
 
 def metadata_step_builders(device, batches):

@@ -196,6 +196,15 @@ def sync_debug_error():
         torch.cuda.set_sync_debug_mode(previous)
 
 
+def check_sync_free(cases: dict[str, Sequence]) -> None:
+    """Call `torch.ops.dsv4.<name>.default(*args)` for every {name: args} under
+    torch.cuda.set_sync_debug_mode("error"): any host-device synchronisation raises."""
+    with sync_debug_error():
+        for name, args in cases.items():
+            getattr(torch.ops.dsv4, name).default(*args)
+    torch.cuda.synchronize()
+
+
 def triton_cache_entries(kernel) -> int:
     """How many compiled specialisations a @triton.jit kernel holds (all devices).
 
@@ -215,6 +224,34 @@ def nonzero_share(t: torch.Tensor) -> float:
     """Fraction of non-zero bytes: guards against fp8 caches that silently hold only zeros."""
     b = as_bytes(t.cpu())
     return float((b != 0).float().mean()) if b.numel() else 0.0
+
+
+# --- metadata steps --------------------------------------------------------------------------------
+def metadata_step_batches(device, query_lens: Sequence[int], seq_lens: Sequence[int], max_context: int,
+                          generator: torch.Generator, min_block: int = 0, max_block: int = 200000):
+    """(SWA-group batch, indexer-group batch) of one step, decodes first: the same requests, each group
+    with its own random block table (SWA: 64 tokens per block; indexer: one block per 256 tokens,
+    storage block 64 at ratio 4) wide enough for `max_context`, entries in [min_block, max_block), and
+    the slot mapping that table gives (negative where the entry is)."""
+    from . import layout
+    from .metadata import BatchDescription
+
+    q, seq = list(query_lens), list(seq_lens)
+    qsl = torch.tensor([0] + torch.tensor(q).cumsum(0).tolist(), dtype=torch.int32)
+    seq_t = torch.tensor(seq, dtype=torch.int32)
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(seq, q)])
+    req = torch.repeat_interleave(torch.arange(len(q)), torch.tensor(q))
+    batches = []
+    for tokens_per_block in (layout.SWA_BLOCK_SIZE, layout.COMPRESSED_KERNEL_BLOCK):
+        width = layout.cdiv(max_context, tokens_per_block)
+        table = torch.randint(min_block, max_block, (len(q), width), generator=generator, dtype=torch.int32)
+        slots = table[req, positions // tokens_per_block].long() * tokens_per_block + positions % tokens_per_block
+        batches.append(BatchDescription(
+            query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq_t.to(device),
+            seq_lens_cpu_upper_bound=seq_t, block_table=table.to(device), slot_mapping=slots.to(device),
+            num_actual_tokens=int(qsl[-1]), max_query_len=max(q), max_seq_len=max(seq),
+            positions=positions.to(device)))
+    return tuple(batches)
 
 
 # --- index-op tests: which implementation runs, plain-Python oracles ----------------------------------

@@ -14,13 +14,14 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..ops._checks import check_tensor
 from ..ops.metadata import (compute_dspark_noncausal_swa_indices_and_lens, compute_prefill_gather_lens,
                             compute_swa_indices_and_lens, get_compressed_slot_mapping, prepare_native_decode,
                             prepare_swa_decode, prepare_token_metadata, prepare_uniform_decode,
                             prepare_varlen_decode)
 from .chunks import fill_chunk
-from .planners import (get_dspark_swa_index_width, get_max_prefill_buffer_size, split_decodes_and_prefills,
-                       split_indexer_prefill_chunks)
+from .planners import (get_dspark_swa_index_width, get_max_prefill_buffer_size, host_int,
+                       split_decodes_and_prefills, split_indexer_prefill_chunks)
 from .types import (DeepseekSparseSWAMetadata, DeepSeekV32IndexerDecodeMetadata, DeepseekV32IndexerMetadata,
                     DeepseekV32IndexerPrefillMetadata)
 
@@ -30,12 +31,6 @@ I32 = (torch.int32,)
 
 
 # --- construction-time checks --------------------------------------------------------------------
-def _int_arg(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 def _ratio(name: str, value) -> int:
     try:
         ratio = None if isinstance(value, bool) else operator.index(value)
@@ -55,28 +50,14 @@ def _device(device) -> torch.device:
 
 # --- per-step batch checks (host values only) ----------------------------------------------------
 def _tensor(name: str, t, ndim: int, dtypes, device: torch.device | None) -> torch.Tensor:
-    """device None: a CPU tensor of any integer dtype."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    """`check_tensor`; with device None, a CPU tensor of any integer dtype."""
+    check_tensor(name, t, ndim=ndim, dtypes=dtypes, device=device)
     if device is None:
         if t.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU tensor, got one on {t.device}")
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise ValueError(f"{name} must have an integer dtype, got {t.dtype}")
-    else:
-        if t.dtype not in dtypes:
-            raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, expected the builder's device {device}")
     return t
-
-
-def _batch_int(name: str, value, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _check_batch(batch, device: torch.device, max_tokens: int, max_seqs: int, table_width: int | None):
@@ -114,13 +95,13 @@ def _check_batch(batch, device: torch.device, max_tokens: int, max_seqs: int, ta
     if T_pad > max_tokens:
         raise ValueError(f"slot_mapping holds T_pad = {T_pad} tokens, more than max_num_batched_tokens = "
                          f"{max_tokens}")
-    T = _batch_int("num_actual_tokens", batch.num_actual_tokens)
+    T = host_int("num_actual_tokens", batch.num_actual_tokens, 0)
     if T != int(qsl[-1]) or T > T_pad:
         raise ValueError(f"num_actual_tokens = {T} must equal query_start_loc_cpu[-1] = {qsl[-1]} and be at most "
                          f"len(slot_mapping) = {T_pad}")
-    if _batch_int("max_query_len", batch.max_query_len) < longest:
+    if host_int("max_query_len", batch.max_query_len, 0) < longest:
         raise ValueError(f"max_query_len = {batch.max_query_len} is below the longest query ({longest})")
-    _batch_int("max_seq_len", batch.max_seq_len)
+    host_int("max_seq_len", batch.max_seq_len, 0)
     positions = getattr(batch, "positions", None)
     if positions is not None and _tensor("positions", positions, 1, INT_DTYPES, device).shape[0] < T:
         raise ValueError(f"positions has {positions.shape[0]} entries, fewer than num_actual_tokens = {T}")
@@ -161,13 +142,13 @@ class SWAMetadataBuilder:
     def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int, window_size: int, max_model_len: int,
                  block_size: int = 64, compress_ratios: Sequence[int] = (1,), num_speculative_tokens: int = 0,
                  parallel_drafting: bool = False, use_dspark: bool = False, device):
-        self.max_num_batched_tokens = Tmax = _int_arg("max_num_batched_tokens", max_num_batched_tokens, 1)
-        self.max_num_seqs = _int_arg("max_num_seqs", max_num_seqs, 1)
-        self.window_size = _int_arg("window_size", window_size, 1)
-        self.max_model_len = _int_arg("max_model_len", max_model_len, 1)
-        self.block_size = _int_arg("block_size", block_size, 1)
+        self.max_num_batched_tokens = Tmax = host_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        self.max_num_seqs = host_int("max_num_seqs", max_num_seqs, 1)
+        self.window_size = host_int("window_size", window_size, 1)
+        self.max_model_len = host_int("max_model_len", max_model_len, 1)
+        self.block_size = host_int("block_size", block_size, 1)
         self.compress_ratios = tuple(_ratio("compress_ratios", r) for r in compress_ratios)
-        self.num_speculative_tokens = _int_arg("num_speculative_tokens", num_speculative_tokens, 0)
+        self.num_speculative_tokens = host_int("num_speculative_tokens", num_speculative_tokens, 0)
         self.parallel_drafting = bool(parallel_drafting)
         self.use_dspark = bool(use_dspark)
         self.device = dev = _device(device)
@@ -288,18 +269,18 @@ class IndexerMetadataBuilder:
                  supports_varlen: bool = False, max_prefill_buffer_size: int | None = None,
                  max_logits_bytes: int = 512 * 2**20,
                  decode_schedule_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None, device):
-        self.max_num_batched_tokens = Tmax = _int_arg("max_num_batched_tokens", max_num_batched_tokens, 1)
-        self.max_num_seqs = S = _int_arg("max_num_seqs", max_num_seqs, 1)
-        self.block_table_width = _int_arg("block_table_width", block_table_width, 1)
-        self.max_model_len = _int_arg("max_model_len", max_model_len, 1)
+        self.max_num_batched_tokens = Tmax = host_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        self.max_num_seqs = S = host_int("max_num_seqs", max_num_seqs, 1)
+        self.block_table_width = host_int("block_table_width", block_table_width, 1)
+        self.max_model_len = host_int("max_model_len", max_model_len, 1)
         self.compress_ratio = _ratio("compress_ratio", compress_ratio)
-        self.storage_block_size = _int_arg("storage_block_size", storage_block_size, 1)
-        self.num_speculative_tokens = _int_arg("num_speculative_tokens", num_speculative_tokens, 0)
+        self.storage_block_size = host_int("storage_block_size", storage_block_size, 1)
+        self.num_speculative_tokens = host_int("num_speculative_tokens", num_speculative_tokens, 0)
         self.supports_varlen = bool(supports_varlen)
         self.max_prefill_buffer_size = (get_max_prefill_buffer_size(self.max_model_len)
                                         if max_prefill_buffer_size is None
-                                        else _int_arg("max_prefill_buffer_size", max_prefill_buffer_size, 1))
-        self.max_logits_bytes = _int_arg("max_logits_bytes", max_logits_bytes, 4)
+                                        else host_int("max_prefill_buffer_size", max_prefill_buffer_size, 1))
+        self.max_logits_bytes = host_int("max_logits_bytes", max_logits_bytes, 4)
         self.decode_schedule_fn = decode_schedule_fn
         self.device = dev = _device(device)
 

@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from ..ops.metadata import fill_prefill_chunk_metadata
+from ..reference.metadata import local_count
 from .types import DeepseekV32IndexerPrefillChunkMetadata
 
 
@@ -43,10 +44,7 @@ def fill_chunk(start: int, end: int, qs0: int, qs1: int, token_base: int, total:
     if dcp_world_size > 1:
         # Device: this rank's cumsum of local(compressed) with torch ops (temporaries are allocated).
         # Host: this rank's total and the largest total over ranks, from the CPU copies (upper bounds).
-        x = compressed_seq_lens[start:end].clamp(min=0)
-        base = torch.div(torch.div(x, interleave, rounding_mode="floor"), dcp_world_size,
-                         rounding_mode="floor") * interleave
-        count = base + (x - base * dcp_world_size - dcp_rank * interleave).clamp(min=0, max=interleave)
+        count = local_count(compressed_seq_lens[start:end].clamp(min=0), dcp_rank, dcp_world_size, interleave)
         if local_cu is None:
             local_cu = torch.empty(n + 1, dtype=torch.int32, device=cu.device)
         local_cu[:1].zero_()

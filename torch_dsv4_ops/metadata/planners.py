@@ -13,7 +13,8 @@ from .. import layout
 
 
 # --- validation (ValueError naming the argument) -------------------------------------------------
-def _int(name: str, value, minimum: int | None = None) -> int:
+def host_int(name: str, value, minimum: int | None = None) -> int:
+    """`value`, a Python int (not a bool) >= `minimum`; ValueError naming `name` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:
@@ -69,7 +70,7 @@ def split_decodes_and_prefills(batch: Any, decode_threshold: int = 1, require_un
     Returns `(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)` as ints; an empty
     batch (R = 0) gives `(0, 0, 0, 0)`.
     """
-    thr = _int("decode_threshold", decode_threshold, 0)
+    thr = host_int("decode_threshold", decode_threshold, 0)
     uniform = _bool("require_uniform", require_uniform)
     short = _bool("treat_short_extends_as_decodes", treat_short_extends_as_decodes)
     qsl = _host_list("query_start_loc_cpu", batch.query_start_loc_cpu)
@@ -77,8 +78,8 @@ def split_decodes_and_prefills(batch: Any, decode_threshold: int = 1, require_un
         raise ValueError("query_start_loc_cpu must have R+1 >= 1 entries")
     if any(b < a for a, b in zip(qsl, qsl[1:])):
         raise ValueError("query_start_loc_cpu must be non-decreasing")
-    max_query_len = _int("max_query_len", batch.max_query_len, 0)
-    T = _int("num_actual_tokens", batch.num_actual_tokens, 0)
+    max_query_len = host_int("max_query_len", batch.max_query_len, 0)
+    T = host_int("num_actual_tokens", batch.num_actual_tokens, 0)
     R = len(qsl) - 1
     is_prefilling = None
     if not short:
@@ -121,9 +122,9 @@ def split_indexer_prefill_chunks(seq_lens_cpu, query_lens_cpu, workspace_size: i
     seq = _lengths("seq_lens_cpu", seq_lens_cpu)
     q = _lengths("query_lens_cpu", query_lens_cpu)
     _same_length("seq_lens_cpu", seq, "query_lens_cpu", q)
-    ws = _int("workspace_size", workspace_size, 0)
-    elems = _int("max_logits_bytes", max_logits_bytes, 0) // 4
-    offset = _int("request_offset", request_offset, 0)
+    ws = host_int("workspace_size", workspace_size, 0)
+    elems = host_int("max_logits_bytes", max_logits_bytes, 0) // 4
+    offset = host_int("request_offset", request_offset, 0)
 
     chunks: list[tuple[slice, slice]] = []
     n, i = len(seq), 0
@@ -156,11 +157,11 @@ def get_prefill_chunk_plan(prefill_seq_lens_cpu, prefill_query_lens_cpu, window_
     seq = _lengths("prefill_seq_lens_cpu", prefill_seq_lens_cpu)
     q = _lengths("prefill_query_lens_cpu", prefill_query_lens_cpu)
     _same_length("prefill_seq_lens_cpu", seq, "prefill_query_lens_cpu", q)
-    window = _int("window_size", window_size, 1)
-    mml = _int("max_model_len", max_model_len, 0)
-    mnbt = _int("max_num_batched_tokens", max_num_batched_tokens, 0)
-    ratio = _int("compress_ratio", compress_ratio, 0)     # 0 and 1: no compressed cache (SWA-only layers)
-    chunk_size = _int("prefill_chunk_size", prefill_chunk_size, 1)
+    window = host_int("window_size", window_size, 1)
+    mml = host_int("max_model_len", max_model_len, 0)
+    mnbt = host_int("max_num_batched_tokens", max_num_batched_tokens, 0)
+    ratio = host_int("compress_ratio", compress_ratio, 0)     # 0 and 1: no compressed cache (SWA-only layers)
+    chunk_size = host_int("prefill_chunk_size", prefill_chunk_size, 1)
 
     cap = chunk_size * ((0 if ratio <= 1 else layout.cdiv(mml, ratio)) + window + mnbt)
     gath = [qi + min(max(si - qi, 0), window - 1) for si, qi in zip(seq, q)]
@@ -181,11 +182,11 @@ def get_prefill_chunk_plan(prefill_seq_lens_cpu, prefill_query_lens_cpu, window_
 # --- host widths ---------------------------------------------------------------------------------
 def get_dspark_swa_index_width(window_size: int, num_speculative_tokens: int) -> int:
     """Row width W of the DSpark non-causal SWA indices: round_up(max(window, 0) + max(num_spec, 0), 64)."""
-    window = _int("window_size", window_size)
-    num_spec = _int("num_speculative_tokens", num_speculative_tokens)
+    window = host_int("window_size", window_size)
+    num_spec = host_int("num_speculative_tokens", num_speculative_tokens)
     return layout.round_up(max(window, 0) + max(num_spec, 0), layout.DSPARK_WIDTH_ALIGN)
 
 
 def get_max_prefill_buffer_size(max_model_len: int) -> int:
     """Default indexer prefill gather workspace, in compressed tokens: max_model_len * 40."""
-    return _int("max_model_len", max_model_len, 0) * layout.PREFILL_BUFFER_TOKENS_PER_MODEL_LEN
+    return host_int("max_model_len", max_model_len, 0) * layout.PREFILL_BUFFER_TOKENS_PER_MODEL_LEN

@@ -34,3 +34,22 @@ def check_int32_extent(name: str, t: torch.Tensor, first_dim: int = 1) -> None:
     extent = sum((n - 1) * abs(s) for n, s in zip(t.shape[first_dim:], t.stride()[first_dim:]) if n > 0)
     if extent > INT32_MAX:
         raise NotImplementedError(f"{name}: one page/row spans {extent} elements, over int32 offsets")
+
+
+def check_int(name: str, value, lo: int) -> None:
+    """An int argument >= lo; a SymInt (torch.compile tracing) is accepted unchecked."""
+    if isinstance(value, torch.SymInt):
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+
+
+def known(*values) -> bool:
+    """All plain ints (no SymInt), so they can be compared without adding compile guards."""
+    return all(isinstance(v, int) for v in values)
+
+
+def check_rows(name: str, t: torch.Tensor, n) -> None:
+    """t has at least n rows (checked when both are plain ints)."""
+    if known(n, t.shape[0]) and t.shape[0] < n:
+        raise ValueError(f"{name} has {t.shape[0]} rows, fewer than the {n} needed")

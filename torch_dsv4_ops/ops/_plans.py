@@ -6,6 +6,10 @@ and otherwise looks the plan (a kernels._launch.Launch, or None for nothing to l
 """
 from __future__ import annotations
 
+import torch
+
+from ..kernels._launch import launch_options
+
 MISSING = object()
 """`plans.get(sig, MISSING)`: a signature not seen yet (None is a valid plan: nothing to launch)."""
 
@@ -23,3 +27,14 @@ class PlanCache(dict):
             self.clear()
         self[sig] = plan
         return plan
+
+
+def signature(name: str, args) -> tuple:
+    """`name` and every shape, stride, dtype, device and scalar of a call (never a tensor's values)."""
+    return (name, *[(a.shape, a.stride(), a.dtype, a.get_device()) if isinstance(a, torch.Tensor) else a
+                    for a in args])
+
+
+def bind_rows(launcher, grid: int, tensors, ints, meta, device):
+    """`launcher.bind` for a 1-D grid, the Triton dtypes being the tensors' own."""
+    return launcher.bind((grid,), tuple(t.dtype for t in tensors), tuple(ints), launch_options(meta), device)

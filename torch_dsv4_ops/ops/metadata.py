@@ -15,8 +15,8 @@ from .. import platform
 from ..kernels import metadata as kernels
 from ..library import register_op
 from ..reference import metadata as reference
-from ._checks import check_tensor
-from ._plans import MISSING, PlanCache
+from ._checks import check_int, check_rows, check_tensor, known
+from ._plans import MISSING, PlanCache, bind_rows, signature
 
 INT_DTYPES = (torch.int32, torch.int64)
 I32 = (torch.int32,)
@@ -25,23 +25,6 @@ BOOL = (torch.bool,)
 
 
 # --- validation (R3: dtypes, shapes, devices, ints; never contents) ------------------------------
-def _int(name: str, value, lo: int) -> None:
-    """An int argument >= lo; a SymInt (torch.compile tracing) is accepted unchecked."""
-    if isinstance(value, torch.SymInt):
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-
-
-def _known(*values) -> bool:
-    return all(isinstance(v, int) for v in values)
-
-
-def _rows(name: str, t: torch.Tensor, n) -> None:
-    if _known(n, t.shape[0]) and t.shape[0] < n:
-        raise ValueError(f"{name} has {t.shape[0]} rows, fewer than the {n} needed")
-
-
 def _vector(name: str, t, device, dtypes=INT_DTYPES) -> None:
     check_tensor(name, t, ndim=1, dtypes=dtypes, device=device)
 
@@ -61,9 +44,9 @@ def check_slot_mapping(num_tokens, query_start_loc, seq_lens, block_table, block
     device = query_start_loc.device
     _vector("seq_lens", seq_lens, device)
     check_tensor("block_table", block_table, ndim=2, dtypes=INT_DTYPES, device=device)
-    _int("num_tokens", num_tokens, 0)
-    _int("block_size", block_size, 1)
-    _int("compress_ratio", compress_ratio, 1)
+    check_int("num_tokens", num_tokens, 0)
+    check_int("block_size", block_size, 1)
+    check_int("compress_ratio", compress_ratio, 1)
     if out is not None:
         _vector("out", out, device, I64)
     return Rq, min(block_table.shape[0], seq_lens.shape[0], Rq)
@@ -78,19 +61,19 @@ def check_swa(swa_indices, swa_lens, window_size, query_start_loc, seq_lens, tok
         raise ValueError(f"swa_indices must be [rows, W] or [rows, 1, W], got {tuple(swa_indices.shape)}")
     rows, W = swa_indices.shape[0], swa_indices.shape[-1]
     _vector("swa_lens", swa_lens, device, I32)
-    _rows("swa_lens", swa_lens, rows)
-    _int("window_size", window_size, 1)
-    if _known(W, window_size) and W < window_size:
+    check_rows("swa_lens", swa_lens, rows)
+    check_int("window_size", window_size, 1)
+    if known(W, window_size) and W < window_size:
         raise ValueError(f"swa_indices has {W} columns (W), fewer than window_size {window_size}")
     _qsl(query_start_loc, device)
     _vector("seq_lens", seq_lens, device)
     _vector("token_to_req_indices", token_to_req_indices, device)
     _vector("is_valid_token", is_valid_token, device, BOOL)
-    _int("token_offset", token_offset, 0)
-    _rows("token_to_req_indices", token_to_req_indices, token_offset + rows)
-    _rows("is_valid_token", is_valid_token, token_offset + rows)
+    check_int("token_offset", token_offset, 0)
+    check_rows("token_to_req_indices", token_to_req_indices, token_offset + rows)
+    check_rows("is_valid_token", is_valid_token, token_offset + rows)
     check_tensor("block_table", block_table, ndim=2, dtypes=INT_DTYPES, device=device)
-    _int("block_size", block_size, 1)
+    check_int("block_size", block_size, 1)
     return rows, W
 
 
@@ -99,26 +82,26 @@ def check_gather_lens(seq_lens, query_start_loc, num_decodes, num_prefills, wind
     _vector("seq_lens", seq_lens, None)
     device = seq_lens.device
     Rq = _qsl(query_start_loc, device)
-    _int("num_decodes", num_decodes, 0)
-    _int("num_prefills", num_prefills, 0)
-    _int("window_size", window_size, 1)
-    if _known(num_decodes, num_prefills):
+    check_int("num_decodes", num_decodes, 0)
+    check_int("num_prefills", num_prefills, 0)
+    check_int("window_size", window_size, 1)
+    if known(num_decodes, num_prefills):
         n = num_decodes + num_prefills
-        if _known(Rq) and Rq < n:
+        if known(Rq) and Rq < n:
             raise ValueError(f"query_start_loc holds {Rq} requests, fewer than num_decodes + num_prefills = {n}")
-        _rows("seq_lens", seq_lens, n)
+        check_rows("seq_lens", seq_lens, n)
     if out is not None:
         _vector("out", out, device, I32)
-        _rows("out", out, num_prefills)
+        check_rows("out", out, num_prefills)
 
 
 def _decode_outputs(device, decode_seq_lens, expanded_block_table, decode_lens, num_decode_tokens) -> None:
-    _int("num_decode_tokens", num_decode_tokens, 0)
+    check_int("num_decode_tokens", num_decode_tokens, 0)
     for name, t in (("decode_seq_lens", decode_seq_lens), ("decode_lens", decode_lens)):
         _vector(name, t, device, I32)
-        _rows(name, t, num_decode_tokens)
+        check_rows(name, t, num_decode_tokens)
     check_tensor("expanded_block_table", expanded_block_table, ndim=2, dtypes=INT_DTYPES, device=device)
-    _rows("expanded_block_table", expanded_block_table, num_decode_tokens)
+    check_rows("expanded_block_table", expanded_block_table, num_decode_tokens)
 
 
 def check_uniform(seq_lens, decode_seq_lens, block_table, expanded_block_table, decode_lens, max_decode_len,
@@ -128,11 +111,11 @@ def check_uniform(seq_lens, decode_seq_lens, block_table, expanded_block_table, 
     device = seq_lens.device
     check_tensor("block_table", block_table, ndim=2, dtypes=INT_DTYPES, device=device)
     _decode_outputs(device, decode_seq_lens, expanded_block_table, decode_lens, num_decode_tokens)
-    _int("max_decode_len", max_decode_len, 1)
-    if _known(max_decode_len, num_decode_tokens):
+    check_int("max_decode_len", max_decode_len, 1)
+    if known(max_decode_len, num_decode_tokens):
         requests = -(-num_decode_tokens // max_decode_len)
-        _rows("seq_lens", seq_lens, requests)
-        _rows("block_table", block_table, requests)
+        check_rows("seq_lens", seq_lens, requests)
+        check_rows("block_table", block_table, requests)
 
 
 def check_varlen(query_start_loc, seq_lens, block_table, decode_seq_lens, expanded_block_table, decode_lens,
@@ -144,12 +127,12 @@ def check_varlen(query_start_loc, seq_lens, block_table, decode_seq_lens, expand
     check_tensor("block_table", block_table, ndim=2, dtypes=INT_DTYPES, device=device)
     _decode_outputs(device, decode_seq_lens, expanded_block_table, decode_lens, num_decode_tokens)
     _vector("decode_indices", decode_indices, device, I32)
-    _rows("decode_indices", decode_indices, num_decode_tokens)
-    _int("num_decodes", num_decodes, 0)
-    if _known(num_decodes, Rq) and Rq < num_decodes:
+    check_rows("decode_indices", decode_indices, num_decode_tokens)
+    check_int("num_decodes", num_decodes, 0)
+    if known(num_decodes, Rq) and Rq < num_decodes:
         raise ValueError(f"query_start_loc holds {Rq} requests, fewer than num_decodes = {num_decodes}")
-    _rows("seq_lens", seq_lens, num_decodes)
-    _rows("block_table", block_table, num_decodes)
+    check_rows("seq_lens", seq_lens, num_decodes)
+    check_rows("block_table", block_table, num_decodes)
 
 
 def check_chunk(query_start_loc, uncompressed_seq_lens, compressed_seq_lens, start_idx, end_idx, query_start,
@@ -162,27 +145,27 @@ def check_chunk(query_start_loc, uncompressed_seq_lens, compressed_seq_lens, sta
     _vector("compressed_seq_lens", compressed_seq_lens, device)
     for name, v in (("start_idx", start_idx), ("end_idx", end_idx), ("query_start", query_start),
                     ("query_end", query_end)):
-        _int(name, v, 0)
-    _int("compress_ratio", compress_ratio, 1)
-    _int("dcp_world_size", dcp_world_size, 1)
-    _int("dcp_rank", dcp_rank, 0)
-    _int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size, 1)
+        check_int(name, v, 0)
+    check_int("compress_ratio", compress_ratio, 1)
+    check_int("dcp_world_size", dcp_world_size, 1)
+    check_int("dcp_rank", dcp_rank, 0)
+    check_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size, 1)
     if dcp_rank >= dcp_world_size:
         raise ValueError(f"dcp_rank ({dcp_rank}) must be below dcp_world_size ({dcp_world_size})")
-    if _known(start_idx, end_idx) and end_idx < start_idx:
+    if known(start_idx, end_idx) and end_idx < start_idx:
         raise ValueError(f"end_idx ({end_idx}) is below start_idx ({start_idx})")
-    if _known(query_start, query_end) and query_end < query_start:
+    if known(query_start, query_end) and query_end < query_start:
         raise ValueError(f"query_end ({query_end}) is below query_start ({query_start})")
-    if _known(end_idx, Rq) and Rq < end_idx:
+    if known(end_idx, Rq) and Rq < end_idx:
         raise ValueError(f"query_start_loc holds {Rq} requests, fewer than end_idx = {end_idx}")
-    _rows("uncompressed_seq_lens", uncompressed_seq_lens, end_idx)
-    _rows("compressed_seq_lens", compressed_seq_lens, end_idx)
+    check_rows("uncompressed_seq_lens", uncompressed_seq_lens, end_idx)
+    check_rows("compressed_seq_lens", compressed_seq_lens, end_idx)
     for name, t in (("cu_seq_lens", cu_seq_lens), ("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke),
                     ("token_to_seq", token_to_seq)):
         _vector(name, t, device, I32)
-    _rows("cu_seq_lens", cu_seq_lens, end_idx - start_idx + 1)
-    _rows("cu_seqlen_ks", cu_seqlen_ks, query_end - query_start)
-    _rows("cu_seqlen_ke", cu_seqlen_ke, query_end - query_start)
+    check_rows("cu_seq_lens", cu_seq_lens, end_idx - start_idx + 1)
+    check_rows("cu_seqlen_ks", cu_seqlen_ks, query_end - query_start)
+    check_rows("cu_seqlen_ke", cu_seqlen_ke, query_end - query_start)
 
 
 def check_token_metadata(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token) -> tuple[int, int]:
@@ -193,8 +176,8 @@ def check_token_metadata(query_start_loc, slot_mapping, token_to_req_indices, is
     _vector("token_to_req_indices", token_to_req_indices, device, I32)
     _vector("is_valid_token", is_valid_token, device, BOOL)
     T = slot_mapping.shape[0]
-    _rows("token_to_req_indices", token_to_req_indices, T)
-    _rows("is_valid_token", is_valid_token, T)
+    check_rows("token_to_req_indices", token_to_req_indices, T)
+    check_rows("is_valid_token", is_valid_token, T)
     return Rq, T
 
 
@@ -206,14 +189,14 @@ def check_native(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_de
     _vector("seq_lens", seq_lens, device)
     _vector("decode_lens", decode_lens, device, I32)
     _vector("decode_seq_lens", decode_seq_lens, device, I32)
-    _int("num_decodes", num_decodes, 0)
-    _int("max_decode_len", max_decode_len, 1)
-    _int("compress_ratio", compress_ratio, 1)
-    if _known(num_decodes, Rq) and Rq < num_decodes:
+    check_int("num_decodes", num_decodes, 0)
+    check_int("max_decode_len", max_decode_len, 1)
+    check_int("compress_ratio", compress_ratio, 1)
+    if known(num_decodes, Rq) and Rq < num_decodes:
         raise ValueError(f"query_start_loc holds {Rq} requests, fewer than num_decodes = {num_decodes}")
-    _rows("seq_lens", seq_lens, num_decodes)
-    _rows("decode_lens", decode_lens, num_decodes)
-    _rows("decode_seq_lens", decode_seq_lens, num_decodes * max_decode_len)
+    check_rows("seq_lens", seq_lens, num_decodes)
+    check_rows("decode_lens", decode_lens, num_decodes)
+    check_rows("decode_seq_lens", decode_seq_lens, num_decodes * max_decode_len)
 
 
 def check_swa_decode(swa_indices, swa_lens, token_to_req_indices, is_valid_token, window_size, query_start_loc,
@@ -224,19 +207,19 @@ def check_swa_decode(swa_indices, swa_lens, token_to_req_indices, is_valid_token
     if swa_indices.dim() == 3 and swa_indices.shape[1] != 1:
         raise ValueError(f"swa_indices must be [rows, W] or [rows, 1, W], got {tuple(swa_indices.shape)}")
     W = swa_indices.shape[-1]
-    _int("window_size", window_size, 1)
-    if _known(W, window_size) and W < window_size:
+    check_int("window_size", window_size, 1)
+    if known(W, window_size) and W < window_size:
         raise ValueError(f"swa_indices has {W} columns (W), fewer than window_size {window_size}")
     _vector("swa_lens", swa_lens, device, I32)
     Rq, T = check_token_metadata(query_start_loc, slot_mapping, token_to_req_indices, is_valid_token)
     _vector("seq_lens", seq_lens, device)
     check_tensor("block_table", block_table, ndim=2, dtypes=INT_DTYPES, device=device)
-    _int("block_size", block_size, 1)
-    _int("num_decode_tokens", num_decode_tokens, 0)
-    if _known(num_decode_tokens, T) and num_decode_tokens > T:
+    check_int("block_size", block_size, 1)
+    check_int("num_decode_tokens", num_decode_tokens, 0)
+    if known(num_decode_tokens, T) and num_decode_tokens > T:
         raise ValueError(f"num_decode_tokens ({num_decode_tokens}) exceeds the {T} tokens of slot_mapping")
-    _rows("swa_indices", swa_indices, num_decode_tokens)
-    _rows("swa_lens", swa_lens, num_decode_tokens)
+    check_rows("swa_indices", swa_indices, num_decode_tokens)
+    check_rows("swa_lens", swa_lens, num_decode_tokens)
     return Rq, T, W
 
 
@@ -244,24 +227,15 @@ def check_swa_decode(swa_indices, swa_lens, token_to_req_indices, is_valid_token
 _PLANS = PlanCache()
 
 
-def _sig(name: str, args) -> tuple:
-    """Every shape, stride, dtype, device and scalar of a call (never a tensor's values)."""
-    return (name, *[(a.shape, a.stride(), a.dtype, a.get_device()) if isinstance(a, torch.Tensor) else a for a in args])
-
-
 def _plan(name: str, args, make, tensors) -> None:
     """Run the launch cached for this call signature with `tensors` (the kernel's tensor arguments in
     order); on a miss `make()` validates and binds it (None: nothing to launch)."""
-    sig = _sig(name, args)
+    sig = signature(name, args)
     launch = _PLANS.get(sig, MISSING)
     if launch is MISSING:
         launch = _PLANS.remember(sig, make())
     if launch is not None:
         launch(*tensors)
-
-
-def _bind(launcher, grid: int, tensors, ints, meta, device):
-    return launcher.bind((grid,), tuple(t.dtype for t in tensors), tuple(ints), kernels.launch_options(meta), device)
 
 
 # --- get_compressed_slot_mapping -----------------------------------------------------------------
@@ -273,7 +247,7 @@ def _slot_launch(num_tokens, query_start_loc, seq_lens, block_table, block_size,
         if grid == 0:
             return None
         tensors = (query_start_loc, seq_lens, block_table, out)
-        return _bind(kernels.SLOT_LAUNCHER, grid, tensors,
+        return bind_rows(kernels.SLOT_LAUNCHER, grid, tensors,
                      kernels.slot_runtime_args(Rq, R, min(num_tokens, out.shape[0]), *tensors),
                      kernels.slot_constexprs(block_size, compress_ratio, platform.target_for(out.device)), out.device)
 
@@ -355,7 +329,7 @@ def _swa_launch(noncausal, swa_indices, swa_lens, window_size, query_start_loc, 
                                         swa_lens)
         meta = kernels.swa_constexprs(window_size, block_size, noncausal,
                                       W, platform.target_for(swa_indices.device))
-        return _bind(kernels.SWA_LAUNCHER, rows, tensors, ints, meta, swa_indices.device)
+        return bind_rows(kernels.SWA_LAUNCHER, rows, tensors, ints, meta, swa_indices.device)
 
     _plan("swa_nc" if noncausal else "swa", args, make,
           (token_to_req_indices, is_valid_token, query_start_loc, seq_lens, block_table, swa_indices, swa_lens))
@@ -425,7 +399,7 @@ def _gather_lens_launch(seq_lens, query_start_loc, num_decodes, num_prefills, wi
         if num_prefills == 0:
             return None
         tensors = (seq_lens, query_start_loc, out)
-        return _bind(kernels.GATHER_LENS_LAUNCHER, -(-num_prefills // kernels.ROW_BLOCK), tensors,
+        return bind_rows(kernels.GATHER_LENS_LAUNCHER, -(-num_prefills // kernels.ROW_BLOCK), tensors,
                      kernels.gather_lens_runtime_args(num_decodes, num_prefills, window_size, *tensors),
                      kernels.gather_lens_constexprs(platform.target_for(out.device)), out.device)
 
@@ -494,7 +468,7 @@ def _uniform_kernel(seq_lens, decode_seq_lens, block_table, expanded_block_table
         if num_decode_tokens == 0:
             return None
         tensors = (seq_lens, decode_seq_lens, block_table, expanded_block_table, decode_lens)
-        return _bind(kernels.UNIFORM_LAUNCHER, num_decode_tokens, tensors,
+        return bind_rows(kernels.UNIFORM_LAUNCHER, num_decode_tokens, tensors,
                      kernels.uniform_runtime_args(max_decode_len, *tensors),
                      kernels.decode_constexprs(expanded_block_table.shape[1],
                                                platform.target_for(seq_lens.device), False), seq_lens.device)
@@ -539,7 +513,7 @@ def _varlen_kernel(query_start_loc, seq_lens, block_table, decode_seq_lens, expa
         if num_decode_tokens == 0:
             return None
         tensors = args[:7]
-        return _bind(kernels.VARLEN_LAUNCHER, num_decode_tokens, tensors,
+        return bind_rows(kernels.VARLEN_LAUNCHER, num_decode_tokens, tensors,
                      kernels.varlen_runtime_args(num_decodes, *tensors),
                      kernels.decode_constexprs(expanded_block_table.shape[1],
                                                platform.target_for(seq_lens.device), True), seq_lens.device)
@@ -589,7 +563,7 @@ def _chunk_kernel(query_start_loc, uncompressed_seq_lens, compressed_seq_lens, s
         ints = kernels.chunk_runtime_args(start_idx, n, query_start, query_end - query_start, dcp_rank,
                                           dcp_world_size, cp_kv_cache_interleave_size, *tensors)
         meta = kernels.chunk_constexprs(compress_ratio, dcp_world_size > 1, platform.target_for(cu_seq_lens.device))
-        return _bind(kernels.CHUNK_LAUNCHER, n, tensors, ints, meta, cu_seq_lens.device)
+        return bind_rows(kernels.CHUNK_LAUNCHER, n, tensors, ints, meta, cu_seq_lens.device)
 
     _plan("chunk", args, make, args[:3] + args[11:])
 
@@ -632,7 +606,7 @@ def _token_kernel(query_start_loc, slot_mapping, token_to_req_indices, is_valid_
         Rq, T = check_token_metadata(*args)
         if T == 0:
             return None
-        return _bind(kernels.TOKEN_LAUNCHER, kernels.token_grid(Rq, T), args,
+        return bind_rows(kernels.TOKEN_LAUNCHER, kernels.token_grid(Rq, T), args,
                      kernels.token_runtime_args(Rq, T, *args),
                      kernels.token_constexprs(platform.target_for(slot_mapping.device)), slot_mapping.device)
 
@@ -666,7 +640,7 @@ def _native_kernel(query_start_loc, seq_lens, decode_lens, decode_seq_lens, num_
         if rows == 0:
             return None
         tensors = args[:4]
-        return _bind(kernels.NATIVE_LAUNCHER, -(-rows // kernels.ROW_BLOCK), tensors,
+        return bind_rows(kernels.NATIVE_LAUNCHER, -(-rows // kernels.ROW_BLOCK), tensors,
                      kernels.native_runtime_args(num_decodes, max_decode_len, *tensors),
                      kernels.native_constexprs(compress_ratio, platform.target_for(seq_lens.device)),
                      seq_lens.device)
@@ -713,7 +687,7 @@ def _swa_decode_launch(noncausal, swa_indices, swa_lens, token_to_req_indices, i
                                                (swa_indices.stride(0), swa_indices.stride(-1)), swa_lens)
         meta = kernels.swa_decode_constexprs(window_size, block_size, noncausal, W,
                                              platform.target_for(swa_indices.device))
-        return _bind(kernels.SWA_DECODE_LAUNCHER, grid, tensors, ints, meta, swa_indices.device)
+        return bind_rows(kernels.SWA_DECODE_LAUNCHER, grid, tensors, ints, meta, swa_indices.device)
 
     _plan("swa_decode", args, make, tensors)
 

@@ -13,8 +13,8 @@ from .. import layout, platform
 from ..kernels import sparse_index as kernels
 from ..library import register_op
 from ..reference import sparse_index as reference
-from ._checks import check_tensor
-from ._plans import MISSING, PlanCache
+from ._checks import check_int, check_rows, check_tensor
+from ._plans import MISSING, PlanCache, bind_rows, signature
 
 INT_DTYPES = (torch.int32, torch.int64)
 I32 = (torch.int32,)
@@ -22,21 +22,6 @@ BOOL = (torch.bool,)
 
 
 # --- validation (R3: dtypes, shapes, devices, ints; never contents) ------------------------------
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _non_negative(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-
-
-def _rows(name: str, t: torch.Tensor, n: int) -> None:
-    if t.shape[0] < n:
-        raise ValueError(f"{name} has {t.shape[0]} rows, fewer than the {n} needed")
-
-
 def _table(name: str, bt, device) -> None:
     check_tensor(name, bt, ndim=2, dtypes=INT_DTYPES, device=device)
 
@@ -48,11 +33,11 @@ def check_global(topk_indices, token_to_req_indices, block_table, block_size, is
     device = topk_indices.device
     T, K = topk_indices.shape
     check_tensor("token_to_req_indices", token_to_req_indices, ndim=1, dtypes=INT_DTYPES, device=device)
-    _rows("token_to_req_indices", token_to_req_indices, T)
+    check_rows("token_to_req_indices", token_to_req_indices, T)
     _table("block_table", block_table, device)
-    _positive("block_size", block_size)
+    check_int("block_size", block_size, 1)
     check_tensor("is_valid_token", is_valid_token, ndim=1, dtypes=BOOL, device=device)
-    _rows("is_valid_token", is_valid_token, T)
+    check_rows("is_valid_token", is_valid_token, T)
     if global_out is not None:
         check_tensor("output_buffers[0]", global_out, ndim=2, dtypes=I32, device=device)
         check_tensor("output_buffers[1]", lens_out, ndim=1, dtypes=I32, device=device)
@@ -75,10 +60,10 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
     Rc = query_start_loc.shape[0] - 1
     for name, t in (("seq_lens", seq_lens), ("gather_lens", gather_lens)):
         check_tensor(name, t, ndim=1, dtypes=INT_DTYPES, device=device)
-        _rows(name, t, Rc)
-    _positive("window_size", window_size)
-    _positive("compress_ratio", compress_ratio)
-    _non_negative("topk", topk)
+        check_rows(name, t, Rc)
+    check_int("window_size", window_size, 1)
+    check_int("compress_ratio", compress_ratio, 1)
+    check_int("topk", topk, 0)
     if topk > topk_indices.shape[1]:
         raise ValueError(f"topk ({topk}) exceeds topk_indices.shape[1] ({topk_indices.shape[1]})")
     for name, v in (("M", M), ("N", N)):
@@ -91,8 +76,8 @@ def check_combine(topk_indices, query_start_loc, seq_lens, gather_lens, window_s
         if combined_out.shape[1] < topk + window_size:
             raise ValueError(f"out[0] has {combined_out.shape[1]} columns; combine needs at least "
                              f"topk + window_size = {topk + window_size}")
-        _rows("out[0]", combined_out, Tq)
-        _rows("out[1]", lens_out, Tq)
+        check_rows("out[0]", combined_out, Tq)
+        check_rows("out[1]", lens_out, Tq)
         width = combined_out.shape[1]
     return Tq, Rc, width
 
@@ -116,7 +101,7 @@ def check_flashinfer(decode_swa_indices, decode_compressed_indices, decode_compr
     if decode_compressed_topk_lens is not None:
         check_tensor("decode_compressed_topk_lens", decode_compressed_topk_lens, ndim=1, dtypes=INT_DTYPES,
                      device=device)
-        _rows("decode_compressed_topk_lens", decode_compressed_topk_lens, Td)
+        check_rows("decode_compressed_topk_lens", decode_compressed_topk_lens, Td)
     check_tensor("prefill_topk_indices", prefill_topk_indices, ndim=2, dtypes=I32, device=device)
     Tp, Kp = prefill_topk_indices.shape
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INT_DTYPES, device=device)
@@ -124,32 +109,32 @@ def check_flashinfer(decode_swa_indices, decode_compressed_indices, decode_compr
         raise ValueError("query_start_loc must hold at least one entry (R+1)")
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INT_DTYPES, device=device)
     check_tensor("token_to_req_indices", token_to_req_indices, ndim=1, dtypes=INT_DTYPES, device=device)
-    _rows("token_to_req_indices", token_to_req_indices, Td + Tp)
+    check_rows("token_to_req_indices", token_to_req_indices, Td + Tp)
     _table("swa_block_table", swa_block_table, device)
     if compressed_block_table is not None:
         _table("compressed_block_table", compressed_block_table, device)
-    _positive("swa_block_size", swa_block_size)
-    _positive("compressed_block_size", compressed_block_size)
-    _positive("window_size", window_size)
-    _positive("compress_ratio", compress_ratio)
-    _non_negative("topk", topk)
+    check_int("swa_block_size", swa_block_size, 1)
+    check_int("compressed_block_size", compressed_block_size, 1)
+    check_int("window_size", window_size, 1)
+    check_int("compress_ratio", compress_ratio, 1)
+    check_int("topk", topk, 0)
     if swa_block_span is not None:
-        _positive("swa_block_span", swa_block_span)
+        check_int("swa_block_span", swa_block_span, 1)
     if compressed_block_span is not None:
-        _positive("compressed_block_span", compressed_block_span)
+        check_int("compressed_block_span", compressed_block_span, 1)
     if Wswa < window_size:
         raise ValueError(f"decode_swa_indices has {Wswa} columns (Wswa), fewer than window_size {window_size}")
     if decode_is_valid_token is not None:
         check_tensor("decode_is_valid_token", decode_is_valid_token, ndim=1, dtypes=BOOL, device=device)
-        _rows("decode_is_valid_token", decode_is_valid_token, Td)
+        check_rows("decode_is_valid_token", decode_is_valid_token, Td)
     P = layout.flashinfer_compressed_width(topk, Kd)
     if sparse_out is not None:
         check_tensor("out[0]", sparse_out, ndim=2, dtypes=I32, device=device)
         check_tensor("out[1]", lens_out, ndim=1, dtypes=I32, device=device)
         if sparse_out.shape[1] != Wswa + P:
             raise ValueError(f"out[0] must have exactly Wswa + P = {Wswa + P} columns, got {sparse_out.shape[1]}")
-        _rows("out[0]", sparse_out, Td + Tp)
-        _rows("out[1]", lens_out, Td + Tp)
+        check_rows("out[0]", sparse_out, Td + Tp)
+        check_rows("out[1]", lens_out, Td + Tp)
     return Td, Tp, Wswa, Kd, Kp, P
 
 
@@ -160,24 +145,24 @@ def check_c128a(positions, compress_ratio, num_decode_tokens, token_to_req_indic
     check_tensor("positions", positions, ndim=1, dtypes=INT_DTYPES)
     device = positions.device
     T = positions.shape[0]
-    _positive("compress_ratio", compress_ratio)
-    _non_negative("num_decode_tokens", num_decode_tokens)
+    check_int("compress_ratio", compress_ratio, 1)
+    check_int("num_decode_tokens", num_decode_tokens, 0)
     Td = num_decode_tokens
     if Td > T:
         raise ValueError(f"num_decode_tokens ({Td}) exceeds the {T} positions")
     check_tensor("token_to_req_indices", token_to_req_indices, ndim=1, dtypes=INT_DTYPES, device=device)
-    _rows("token_to_req_indices", token_to_req_indices, Td)
+    check_rows("token_to_req_indices", token_to_req_indices, Td)
     _table("block_table", block_table, device)
-    _positive("block_size", block_size)
+    check_int("block_size", block_size, 1)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INT_DTYPES, device=device)
-    _rows("slot_mapping", slot_mapping, Td)
+    check_rows("slot_mapping", slot_mapping, Td)
     check_tensor("global_decode_buffer", global_decode_buffer, ndim=2, dtypes=I32, device=device)
-    _rows("global_decode_buffer", global_decode_buffer, Td)
+    check_rows("global_decode_buffer", global_decode_buffer, Td)
     check_tensor("decode_lens_buffer", decode_lens_buffer, ndim=1, dtypes=I32, device=device)
-    _rows("decode_lens_buffer", decode_lens_buffer, Td)
+    check_rows("decode_lens_buffer", decode_lens_buffer, Td)
     check_tensor("prefill_buffer", prefill_buffer, ndim=2, dtypes=I32, device=device)
-    _rows("prefill_buffer", prefill_buffer, T - Td)
-    _non_negative("max_compressed_tokens", max_compressed_tokens)
+    check_rows("prefill_buffer", prefill_buffer, T - Td)
+    check_int("max_compressed_tokens", max_compressed_tokens, 0)
     return (T, Td, min(max_compressed_tokens, global_decode_buffer.shape[1]),
             min(max_compressed_tokens, prefill_buffer.shape[1]))
 
@@ -186,12 +171,12 @@ def check_fill(topk_indices, positions, topk, compress_ratio) -> int:
     """Validate fill_short_context_topk_indices; return T."""
     check_tensor("topk_indices", topk_indices, ndim=2, dtypes=I32)
     check_tensor("positions", positions, ndim=1, dtypes=INT_DTYPES, device=topk_indices.device)
-    _non_negative("topk", topk)
-    _positive("compress_ratio", compress_ratio)
+    check_int("topk", topk, 0)
+    check_int("compress_ratio", compress_ratio, 1)
     if topk > topk_indices.shape[1]:
         raise ValueError(f"topk ({topk}) exceeds topk_indices.shape[1] ({topk_indices.shape[1]})")
     T = positions.shape[0]
-    _rows("topk_indices", topk_indices, T)
+    check_rows("topk_indices", topk_indices, T)
     return T
 
 
@@ -199,24 +184,9 @@ def check_fill(topk_indices, positions, topk, compress_ratio) -> int:
 _PLANS = PlanCache()
 
 
-def _sig(name: str, args) -> tuple:
-    """Every shape, stride, dtype, device and scalar of a call (never a tensor's values)."""
-    out = [name]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append((a.shape, a.stride(), a.dtype, a.get_device()))
-        else:
-            out.append(a)
-    return tuple(out)
-
-
-def _bind(launcher, rows: int, tensors, ints, meta, device):
-    return launcher.bind((rows,), tuple(t.dtype for t in tensors), tuple(ints), kernels.launch_options(meta), device)
-
-
 # --- compute_global_topk_indices_and_lens --------------------------------------------------------
 def _global_launch(topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, g, lens):
-    sig = _sig("global", (topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, g, lens))
+    sig = signature("global", (topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, g, lens))
     launch = _PLANS.get(sig, MISSING)
     if launch is MISSING:
         T, K = check_global(topk_indices, token_to_req_indices, block_table, block_size, is_valid_token, g, lens)
@@ -224,7 +194,7 @@ def _global_launch(topk_indices, token_to_req_indices, block_table, block_size, 
         if T > 0:
             tensors = (topk_indices, token_to_req_indices, block_table, is_valid_token, g, lens)
             target = platform.target_for(g.device)
-            launch = _bind(kernels.GLOBAL_LAUNCHER, T, tensors,
+            launch = bind_rows(kernels.GLOBAL_LAUNCHER, T, tensors,
                            kernels.global_runtime_args(*tensors), kernels.global_constexprs(block_size, K, target),
                            g.device)
         _PLANS.remember(sig, launch)
@@ -295,7 +265,7 @@ def _global_out_examples():
 # --- combine_topk_swa_indices --------------------------------------------------------------------
 def _combine_launch(topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk, M, N,
                     out, lens, fresh: bool):
-    sig = _sig("combine", (topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk,
+    sig = signature("combine", (topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio, topk,
                            M, N, out, lens, fresh))
     launch = _PLANS.get(sig, MISSING)
     if launch is MISSING:
@@ -305,7 +275,7 @@ def _combine_launch(topk_indices, query_start_loc, seq_lens, gather_lens, window
         if Tq > 0 and Rc > 0:
             tensors = (topk_indices, query_start_loc, seq_lens, gather_lens, out, lens)
             target = platform.target_for(out.device)
-            launch = _bind(kernels.COMBINE_LAUNCHER, Tq, tensors,
+            launch = bind_rows(kernels.COMBINE_LAUNCHER, Tq, tensors,
                            kernels.combine_runtime_args(Rc, M, N, topk_indices, query_start_loc, seq_lens,
                                                         gather_lens, out, lens),
                            kernels.combine_constexprs(window_size, compress_ratio, topk, fresh, target), out.device)
@@ -400,7 +370,7 @@ def _combine_out_examples():
 def _flashinfer_launch(args, out, lens):
     (dswa, dcomp, dlens, ptopk, qsl, seq, t2r, sbt, sbs, cbt, cbs, window, ratio, topk, local, dvalid, sspan,
      cspan) = args
-    sig = _sig("flashinfer", args + (out, lens))
+    sig = signature("flashinfer", args + (out, lens))
     launch = _PLANS.get(sig, MISSING)
     if launch is MISSING:
         Td, Tp, Wswa, Kd, Kp, P = check_flashinfer(*args, out, lens)
@@ -418,7 +388,7 @@ def _flashinfer_launch(args, out, lens):
             meta = kernels.flashinfer_constexprs(sbs, sbs if sspan is None else sspan, cbs,
                                                  cbs if cspan is None else cspan, window, ratio, topk, bool(local),
                                                  dlens is not None, dvalid is not None, Wswa, P, target)
-            launch = _bind(kernels.FLASHINFER_LAUNCHER, Td + Tp, tensors, ints, meta, out.device)
+            launch = bind_rows(kernels.FLASHINFER_LAUNCHER, Td + Tp, tensors, ints, meta, out.device)
             launch = (launch, dcomp is None, dlens is None, cbt is None, dvalid is None)
         _PLANS.remember(sig, launch)
     if launch is not None:
@@ -549,7 +519,7 @@ def _c128a_kernel(positions, compress_ratio, num_decode_tokens, token_to_req_ind
                   max_compressed_tokens=layout.C128A_MAX_COMPRESSED_TOKENS):
     args = (positions, compress_ratio, num_decode_tokens, token_to_req_indices, block_table, block_size, slot_mapping,
             global_decode_buffer, decode_lens_buffer, prefill_buffer, max_compressed_tokens)
-    sig = _sig("c128a", args)
+    sig = signature("c128a", args)
     launch = _PLANS.get(sig, MISSING)
     if launch is MISSING:
         T, Td, Wd, Wp = check_c128a(*args)
@@ -558,7 +528,7 @@ def _c128a_kernel(positions, compress_ratio, num_decode_tokens, token_to_req_ind
             tensors = (positions, token_to_req_indices, block_table, slot_mapping, global_decode_buffer,
                        decode_lens_buffer, prefill_buffer)
             target = platform.target_for(positions.device)
-            launch = _bind(kernels.C128A_LAUNCHER, T, tensors, kernels.c128a_runtime_args(Td, Wd, Wp, *tensors),
+            launch = bind_rows(kernels.C128A_LAUNCHER, T, tensors, kernels.c128a_runtime_args(Td, Wd, Wp, *tensors),
                            kernels.c128a_constexprs(compress_ratio, block_size, max(Wd, Wp), target),
                            positions.device)
         _PLANS.remember(sig, launch)
@@ -597,14 +567,14 @@ def _c128a_examples():
 
 # --- fill_short_context_topk_indices -------------------------------------------------------------
 def _fill_kernel(topk_indices, positions, topk, compress_ratio):
-    sig = _sig("fill", (topk_indices, positions, topk, compress_ratio))
+    sig = signature("fill", (topk_indices, positions, topk, compress_ratio))
     launch = _PLANS.get(sig, MISSING)
     if launch is MISSING:
         T = check_fill(topk_indices, positions, topk, compress_ratio)
         launch = None
         if T > 0 and topk > 0:
             target = platform.target_for(positions.device)
-            launch = _bind(kernels.FILL_LAUNCHER, T, (topk_indices, positions),
+            launch = bind_rows(kernels.FILL_LAUNCHER, T, (topk_indices, positions),
                            kernels.fill_runtime_args(topk_indices, positions),
                            kernels.fill_constexprs(topk, compress_ratio, target), positions.device)
         _PLANS.remember(sig, launch)
