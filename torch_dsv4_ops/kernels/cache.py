@@ -103,21 +103,6 @@ def _to_cache(x, scale, IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: t
 
 
 @triton.jit
-def _load_scales(k_scale_ptr, v_scale_ptr, SCALED: tl.constexpr, DIV64: tl.constexpr):
-    """(k_scale, v_scale) as `_to_cache` takes them: 1.0 unscaled, the fp64 reciprocals with DIV64 (the
-    one IEEE division per program)."""
-    k_scale = 1.0
-    v_scale = 1.0
-    if SCALED:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-        if DIV64:
-            k_scale = 1.0 / k_scale.to(tl.float64)
-            v_scale = 1.0 / v_scale.to(tl.float64)
-    return k_scale, v_scale
-
-
-@triton.jit
 def _load_tile(src_ptr, t, h, h_ok, s_t, s_h, s_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
     return tl.load(src_ptr + t * s_t + h[:, None] * s_h + d[None, :] * s_d, mask=h_ok[:, None] & (d < D)[None, :])
@@ -156,7 +141,14 @@ def flash_cache_write_kernel(
     # token t < T is always inside key/value: their loads need not wait for the slot
     k = _load_tile(key_ptr, t, h, h_ok, k_st, k_sh, k_sd, DK, BLOCK_DK)
     v = _load_tile(value_ptr, t, h, h_ok, v_st, v_sh, v_sd, DV, BLOCK_DV)
-    k_scale, v_scale = _load_scales(k_scale_ptr, v_scale_ptr, SCALED, DIV64)
+    k_scale = 1.0
+    v_scale = 1.0
+    if SCALED:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        if DIV64:   # the one IEEE division per program (see _to_cache)
+            k_scale = 1.0 / k_scale.to(tl.float64)
+            v_scale = 1.0 / v_scale.to(tl.float64)
     valid = (slot >= 0) & (slot < num_slots)        # every negative slot and every slot past the cache: skip
     slot = tl.where(valid, slot, 0)
     blk = slot // BS
@@ -202,7 +194,14 @@ def head_major_group_kernel(
                 mask=tok_ok[:, None] & (dk < DK)[None, :])
     v = tl.load(value_ptr + tok[:, None] * v_st + h * v_sh + dv[None, :] * v_sd,
                 mask=tok_ok[:, None] & (dv < DV)[None, :])
-    k_scale, v_scale = _load_scales(k_scale_ptr, v_scale_ptr, SCALED, DIV64)
+    k_scale = 1.0
+    v_scale = 1.0
+    if SCALED:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        if DIV64:
+            k_scale = 1.0 / k_scale.to(tl.float64)
+            v_scale = 1.0 / v_scale.to(tl.float64)
     valid = tok_ok & (slot >= 0) & (slot < num_slots)
     slot = tl.where(valid, slot, 0)
     blk = slot // BS
