@@ -20,6 +20,7 @@ FAMILIES = {
     "k_cache": "benchmarks.bench_k_cache",
     "sparse_index": "benchmarks.bench_sparse_index",
     "metadata": "benchmarks.bench_metadata",
+    "attention": "benchmarks.bench_attention",
 }
 
 

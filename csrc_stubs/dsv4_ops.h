@@ -89,6 +89,35 @@ inline void build_flashinfer_mixed_sparse_indices_out(
   return op.call(decode_swa_indices, decode_compressed_indices, decode_compressed_topk_lens, prefill_topk_indices, query_start_loc, seq_lens, token_to_req_indices, swa_block_table, swa_block_size, compressed_block_table, compressed_block_size, window_size, compress_ratio, topk, decode_compressed_indices_are_local, decode_is_valid_token, swa_block_span, compressed_block_span, out_indices, out_lens);
 }
 
+// dsv4::chunked_prefill_paged_decode(Tensor query, Tensor? key, Tensor? value, Tensor(a!) output, str kv_cache_dtype, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, SymInt? max_seq_len, SymInt max_query_len, Tensor k_scale, Tensor v_scale, Tensor? alibi_slopes=None, int? sliding_window=None, float? sm_scale=None, Tensor? output_scale=None, Tensor? sinks=None, bool is_block_table_ptr=False, bool causal=True) -> ()
+inline void chunked_prefill_paged_decode(
+    const at::Tensor& query,
+    const std::optional<at::Tensor>& key,
+    const std::optional<at::Tensor>& value,
+    at::Tensor& output,
+    c10::string_view kv_cache_dtype,
+    const at::Tensor& key_cache,
+    const at::Tensor& value_cache,
+    const at::Tensor& block_table,
+    const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens,
+    std::optional<c10::SymInt> max_seq_len,
+    c10::SymInt max_query_len,
+    const at::Tensor& k_scale,
+    const at::Tensor& v_scale,
+    const std::optional<at::Tensor>& alibi_slopes /* = None */,
+    std::optional<int64_t> sliding_window /* = None */,
+    std::optional<double> sm_scale /* = None */,
+    const std::optional<at::Tensor>& output_scale /* = None */,
+    const std::optional<at::Tensor>& sinks /* = None */,
+    bool is_block_table_ptr /* = False */,
+    bool causal /* = True */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::chunked_prefill_paged_decode", "")
+      .typed<void(const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, at::Tensor&, c10::string_view, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, std::optional<c10::SymInt>, c10::SymInt, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::optional<int64_t>, std::optional<double>, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, bool)>();
+  return op.call(query, key, value, output, kv_cache_dtype, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_seq_len, max_query_len, k_scale, v_scale, alibi_slopes, sliding_window, sm_scale, output_scale, sinks, is_block_table_ptr, causal);
+}
+
 // dsv4::combine_topk_swa_indices(Tensor topk_indices, Tensor query_start_loc, Tensor seq_lens, Tensor gather_lens, int window_size, int compress_ratio, int topk, SymInt M, SymInt N) -> (Tensor, Tensor)
 inline std::tuple<at::Tensor, at::Tensor> combine_topk_swa_indices(
     const at::Tensor& topk_indices,
@@ -214,6 +243,36 @@ inline void compute_swa_indices_and_lens(
       .findSchemaOrThrow("dsv4::compute_swa_indices_and_lens", "")
       .typed<void(at::Tensor&, at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::SymInt)>();
   return op.call(swa_indices, swa_lens, window_size, query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table, block_size, token_offset);
+}
+
+// dsv4::context_attention_fwd(Tensor q, Tensor? k, Tensor? v, Tensor(a!) o, str kv_cache_dtype, Tensor k_cache, Tensor v_cache, Tensor b_loc, Tensor b_start_loc, Tensor b_seq_len, SymInt? max_seq_len, SymInt max_input_len, Tensor k_scale, Tensor v_scale, Tensor? alibi_slopes=None, int? sliding_window=None, float? sm_scale=None, bool skip_decode=False, Tensor? fp8_out_scale=None, Tensor? sinks=None, bool is_block_table_ptr=False, bool causal=True) -> ()
+inline void context_attention_fwd(
+    const at::Tensor& q,
+    const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& v,
+    at::Tensor& o,
+    c10::string_view kv_cache_dtype,
+    const at::Tensor& k_cache,
+    const at::Tensor& v_cache,
+    const at::Tensor& b_loc,
+    const at::Tensor& b_start_loc,
+    const at::Tensor& b_seq_len,
+    std::optional<c10::SymInt> max_seq_len,
+    c10::SymInt max_input_len,
+    const at::Tensor& k_scale,
+    const at::Tensor& v_scale,
+    const std::optional<at::Tensor>& alibi_slopes /* = None */,
+    std::optional<int64_t> sliding_window /* = None */,
+    std::optional<double> sm_scale /* = None */,
+    bool skip_decode /* = False */,
+    const std::optional<at::Tensor>& fp8_out_scale /* = None */,
+    const std::optional<at::Tensor>& sinks /* = None */,
+    bool is_block_table_ptr /* = False */,
+    bool causal /* = True */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::context_attention_fwd", "")
+      .typed<void(const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, at::Tensor&, c10::string_view, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, std::optional<c10::SymInt>, c10::SymInt, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::optional<int64_t>, std::optional<double>, bool, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, bool)>();
+  return op.call(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, max_seq_len, max_input_len, k_scale, v_scale, alibi_slopes, sliding_window, sm_scale, skip_decode, fp8_out_scale, sinks, is_block_table_ptr, causal);
 }
 
 // dsv4::dequantize_and_gather_k_cache(Tensor(a!) out, Tensor k_cache, Tensor seq_lens, Tensor? gather_lens, Tensor block_table, int block_size, int offset, bool use_fnuz=False) -> ()

@@ -25,6 +25,10 @@ from .ops.k_cache import (
     dequantize_and_gather_k_cache,
     quantize_and_insert_k_cache,
 )
+from .ops.attention import (
+    chunked_prefill_paged_decode,
+    context_attention_fwd,
+)
 from .ops.metadata import (
     compute_dspark_noncausal_swa_indices_and_lens,
     compute_prefill_gather_lens,
@@ -66,6 +70,7 @@ __all__ = [
     "get_compressed_slot_mapping", "compute_swa_indices_and_lens", "compute_dspark_noncausal_swa_indices_and_lens",
     "compute_prefill_gather_lens", "prepare_uniform_decode", "prepare_varlen_decode", "fill_prefill_chunk_metadata",
     "prepare_token_metadata", "prepare_swa_decode", "prepare_native_decode",
+    "context_attention_fwd", "chunked_prefill_paged_decode",
     "split_decodes_and_prefills", "split_indexer_prefill_chunks", "get_prefill_chunk_plan",
     "get_dspark_swa_index_width", "get_max_prefill_buffer_size", "build_prefill_chunk_metadata",
     "BatchDescription", "DeepseekSparseSWAMetadata", "DeepSeekV32IndexerDecodeMetadata", "DeepseekV32IndexerMetadata",

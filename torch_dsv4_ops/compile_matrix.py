@@ -41,6 +41,7 @@ MATRIX_MODULES = (
     "torch_dsv4_ops.kernels.k_cache",
     "torch_dsv4_ops.kernels.sparse_index",
     "torch_dsv4_ops.kernels.metadata",
+    "torch_dsv4_ops.kernels.attention",
 )
 
 _FP8_INSTRUCTION = {

@@ -41,6 +41,7 @@ class OpCard:
     examples: Callable | None = None  # () -> {label: args on CPU}, for the self-check
     op: torch._ops.OpOverload = None  # torch.ops.dsv4.<name>.default
     mutated: tuple[int, ...] = ()     # positions of the arguments the schema marks (a!)
+    approximate: bool = False         # float results agree with the reference within tolerance, not bitwise
 
 
 OPS: dict[str, OpCard] = {}
@@ -168,7 +169,7 @@ def call({params}):
 
 
 def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Callable,
-                examples: Callable | None = None) -> Callable:
+                examples: Callable | None = None, approximate: bool = False) -> Callable:
     """Define `dsv4::<schema>`, register its three implementations and return what the public
     Python wrapper calls (`torch.ops.dsv4.<name>.default`, with the eager fast path of
     `_public_caller`).
@@ -176,6 +177,8 @@ def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Cal
     `reference` and `kernel` each validate their arguments (the shared validator of the family)
     and return what the schema says; `fake` validates and allocates with `new_empty` only.
     `examples()` returns {label: argument tuple on CPU} of realistic inputs for the self-check.
+    `approximate`: the kernel's float results match the reference within the per-dtype tolerance
+    (attention: a different summation order), not bit for bit.
     """
     name = schema.split("(", 1)[0]
     if name in OPS:
@@ -202,5 +205,5 @@ def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Cal
     _LIB.impl(name, _with_version_bump(cpu_impl, schema), "CPU")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
-    OPS[name] = OpCard(name, schema, reference, kernel, fake, examples, op, mutated_positions(schema))
+    OPS[name] = OpCard(name, schema, reference, kernel, fake, examples, op, mutated_positions(schema), approximate)
     return _public_caller(op, kernel, schema)

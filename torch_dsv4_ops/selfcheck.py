@@ -20,7 +20,7 @@ class Row:
     case: str
     device: str
     implementation: str  # what ran, "vs" what it was compared with
-    error: str          # "exact" (bit-identical to the reference) or what differs
+    error: str          # "exact" (bit-identical to the reference), "within <tol>" (approximate ops), or what differs
     time_us: float
     ok: bool
 
@@ -60,10 +60,15 @@ def _time_us(fn, device, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _compare(got: torch.Tensor, want: torch.Tensor) -> str:
+def _compare(got: torch.Tensor, want: torch.Tensor, approximate: bool = False) -> str:
     diff = int((as_bytes(got.cpu()) != as_bytes(want)).sum())
     if diff == 0:
         return "exact"
+    if approximate and got.dtype in testing.TOLERANCES:
+        tol = testing.TOLERANCES[got.dtype]
+        err = (got.cpu().double() - want.double()).abs()
+        if bool((err <= tol + tol * want.double().abs()).all()):
+            return f"within {tol:g} (max |err| {err.max().item():.3g})"
     if got.dtype.is_floating_point:
         return f"{diff} bytes differ, max |err| {(got.cpu().double() - want.double()).abs().max().item():.3g}"
     return f"{diff} bytes differ"
@@ -88,11 +93,12 @@ def run(device: torch.device | None = None) -> list[Row]:
                 ref_out = card.op(*ref_args)
             with library.cpu_implementation("triton") if cpu_kernels else contextlib.nullcontext():
                 dev_out = card.op(*dev_args)
-                errors = [_compare(dev_args[i], ref_args[i]) for i in card.mutated]
+                errors = [_compare(dev_args[i], ref_args[i], card.approximate) for i in card.mutated]
                 errors += [_compare(g, w) for g, w in zip(_tensors(dev_out), _tensors(ref_out))]
+                ok = all(e == "exact" or e.startswith("within") for e in errors)
                 error = "exact" if all(e == "exact" for e in errors) else "; ".join(e for e in errors if e != "exact")
                 t = _time_us(lambda: card.op(*dev_args), device)
-            rows.append(Row(name, label, str(device), impl, error, t, error == "exact"))
+            rows.append(Row(name, label, str(device), impl, error, t, ok))
     rows.append(metadata_step(device))
     return rows
 

@@ -1,0 +1,92 @@
+"""Tile sweep of the attention kernels on a GPU: `python -m benchmarks.sweep_attention`.
+
+Times the benchmark's decode and mixed-step cases (benchmarks/bench_attention.py) under each tile
+setting of `kernels/attention.py` (patched in place of `decode_tiles` / `prefill_tiles`) and prints
+one line per (setting, case): median µs by do_bench and GB/s. The committed defaults come from it.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+
+from torch_dsv4_ops.kernels import attention as kernels
+from torch_dsv4_ops.ops import attention as ops
+
+from . import bench_attention as bench
+from . import harness
+
+
+def _time(args) -> float:
+    import torch_dsv4_ops
+    return harness.time_do_bench(lambda: torch_dsv4_ops.chunked_prefill_paged_decode(*args))
+
+
+def _reset():
+    ops._CHUNKED_PLANS.clear()
+    ops._CONTEXT_PLANS.clear()
+
+
+def main() -> int:
+    device = torch.device("cuda")
+    from torch_dsv4_ops.ops.attention import example_batch
+
+    decode_specs = [bench.Spec(64, 4096), bench.Spec(64, 4096, True), bench.Spec(1, 32768)]
+    mixed = bench.Spec(**bench.MIXED)
+    prefill_only = bench.Spec(0, 0, prefills=4, new=512, cached=2048)
+    batches = {s.name: (s, example_batch(s.query_lens(), s.seq_lens(), hq=bench.HQ, hkv=bench.HKV, dim=bench.D,
+                                         bs=bench.BS, fp8=s.fp8, seed=1, device=device))
+               for s in decode_specs + [mixed, prefill_only]}
+    original_decode, original_prefill = kernels.decode_tiles, kernels.prefill_tiles
+
+    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+        def tiles(geo, q_dtype, target, block_n=block_n, warps=warps, stages=stages):
+            t = original_decode(geo, q_dtype, target)
+            return dict(t, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        kernels.decode_tiles = tiles
+        _reset()
+        for s in decode_specs:
+            args = batches[s.name][1]
+            try:
+                us = _time(args)
+                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} | {s.name}: {us:.1f} us "
+                      f"{s.bytes_per_call() / us / 1e3:.0f} GB/s", flush=True)
+            except Exception as e:   # e.g. out of shared memory
+                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} | {s.name}: ERROR {e!s:.100}",
+                      flush=True)
+    kernels.decode_tiles = original_decode
+    for per_sm in (1, 2, 4, 8):
+        kernels.PROGRAMS_PER_SM = per_sm
+        _reset()
+        for s in decode_specs:
+            us = _time(batches[s.name][1])
+            print(f"decode PROGRAMS_PER_SM={per_sm} | {s.name}: {us:.1f} us {s.bytes_per_call() / us / 1e3:.0f} GB/s",
+                  flush=True)
+    kernels.PROGRAMS_PER_SM = 2
+
+    for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+        def tiles(geo, q_dtype, target, block_m=block_m, block_n=block_n, warps=warps, stages=stages):
+            heads = min(triton_next_pow2(geo.group), block_m)
+            return dict(HEADS=heads, BLOCK_Q=block_m // heads, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        kernels.prefill_tiles = tiles
+        _reset()
+        for s in (prefill_only, mixed):
+            try:
+                us = _time(batches[s.name][1])
+                print(f"prefill BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} stages={stages} | {s.name}: "
+                      f"{us:.1f} us {s.flops() / us / 1e6:.0f} TFLOP/s", flush=True)
+            except Exception as e:
+                print(f"prefill BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} stages={stages} | {s.name}: "
+                      f"ERROR {e!s:.100}", flush=True)
+    kernels.prefill_tiles = original_prefill
+    return 0
+
+
+def triton_next_pow2(n: int) -> int:
+    import triton
+    return triton.next_power_of_2(n)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

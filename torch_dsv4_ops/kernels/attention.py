@@ -1,0 +1,691 @@
+"""Triton kernels for paged attention over head-major flash caches (SPEC §2.3, §3.7).
+
+`prefill_kernel` (context_attention_fwd): program (r, g, t) computes BLOCK_Q query rows of request r
+for HEADS query heads of one kv head (the rows of a tile are (query, head) pairs, so a K/V tile
+loaded once serves every query head of its group), first over the cached keys, then over the dense
+new keys, with an online softmax in base 2.
+`decode_kernel` (the qlen == 1 requests of chunked_prefill_paged_decode): program (r, kvh, s) takes
+split s of request r's visible keys for all query heads of kv head kvh; with one split it writes
+the output, otherwise partial (max, sum, unnormalised output) rows that `combine_kernel` merges.
+
+Masked keys (invisible, invalid block, past the table) are never loaded, so unused cache pages may
+hold anything, NaN included. Ints that vary per step (token, request and table sizes) are runtime
+arguments; structural sizes and feature flags are constexprs (SPEC §4 h).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import layout, platform
+from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
+from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
+
+LOG2E = 1.4426950408889634
+
+# How the output is stored (constexpr O_KIND)
+O_NATIVE, O_BF16_BITS, O_FP8 = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """Compile-time numeric choices of one call."""
+
+    kv_fp8: int = layout.NOT_FP8      # fp8 format code of the cache, 0 for a float cache
+    kv_sw: bool = False               # decode cache codes with the software codec
+    dot_f32: bool = False             # dots in fp32 (the interpreter; fp32 q anywhere)
+    round_bf16: bool = False          # round dequantised K/V to bf16 by bits (interpreter, bf16 q)
+    round_f16: bool = False           # round dequantised K/V through fp16 (fp16 q)
+    o_kind: int = O_NATIVE
+    o_fp8: int = layout.NOT_FP8       # fp8 format code of the output for O_FP8
+    o_sw: bool = False                # encode the output with the software codec
+
+
+def make_numerics(q_dtype, kv_fmt: layout.Fp8Format | None, o_dtype, target: platform.Target) -> Numerics:
+    """Choose the conversions for q's dtype, the cache's fp8 format (or None) and the output dtype."""
+    interpret = target.backend == "interpreter"
+    o_fmt = layout.FP8_BY_DTYPE.get(o_dtype)
+    if o_fmt is not None:
+        o_kind, o_code, o_sw = O_FP8, o_fmt.code, not platform.native_fp8(target, o_fmt)
+    elif o_dtype == torch.bfloat16 and interpret:
+        o_kind, o_code, o_sw = O_BF16_BITS, layout.NOT_FP8, False
+    else:
+        o_kind, o_code, o_sw = O_NATIVE, layout.NOT_FP8, False
+    fp8 = kv_fmt is not None
+    return Numerics(kv_fp8=kv_fmt.code if fp8 else layout.NOT_FP8,
+                    kv_sw=fp8 and not platform.native_fp8(target, kv_fmt),
+                    dot_f32=interpret or q_dtype == torch.float32,
+                    round_bf16=fp8 and interpret and q_dtype == torch.bfloat16,
+                    round_f16=fp8 and q_dtype == torch.float16,
+                    o_kind=o_kind, o_fp8=o_code, o_sw=o_sw)
+
+
+def output_view(o_dtype, numerics: Numerics):
+    """The dtype the launcher views the output as (fp8 as uint8, software-rounded bf16 as int16)."""
+    if numerics.o_kind == O_FP8:
+        return torch.uint8
+    if numerics.o_kind == O_BF16_BITS:
+        return torch.int16
+    return o_dtype
+
+
+def cache_view(cache_dtype):
+    """fp8 caches are passed as uint8 codes."""
+    return torch.uint8 if cache_dtype in layout.FP8_BY_DTYPE else cache_dtype
+
+
+# --- shared device functions -------------------------------------------------------------------------
+@triton.jit
+def _block_ids(table_ptr, t_row, col, ok, t_s1, W, num_blocks, cache_base, page_bytes, TABLE_PTR: tl.constexpr):
+    """Block ids of table columns `col` of the row at `t_row` (0 where invalid), and which keys are
+    valid: `ok`, inside the table, and an id in [0, num_blocks) (a pointer table: a positive address
+    of a page). The id does not depend on `ok`, so all keys of one column share it."""
+    col_ok = col < W
+    entry = tl.load(table_ptr + t_row + col * t_s1, mask=col_ok, other=-1).to(tl.int64)
+    if TABLE_PTR:
+        rel = entry - cache_base
+        rel_ok = col_ok & (entry > 0) & (rel >= 0)
+        blk = tl.where(rel_ok, rel, 0) // page_bytes
+    else:
+        rel_ok = col_ok & (entry >= 0)
+        blk = entry
+    valid = rel_ok & (blk < num_blocks)
+    return tl.where(valid, blk, 0), valid & ok
+
+
+@triton.jit
+def _dequant(x, scale_ptr, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, ROUND_BF16: tl.constexpr,
+             ROUND_F16: tl.constexpr):
+    """Cache values -> fp32: fp8 codes as float(fp8) * scale rounded to q's dtype (SPEC §3.7)."""
+    if KV_FP8 != 0:
+        y = fp8_decode(x, KV_FP8, KV_SW) * tl.load(scale_ptr)
+        if ROUND_BF16:
+            y = bf16_bits_rne(y).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        elif ROUND_F16:
+            y = y.to(tl.float16).to(tl.float32)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _softmax_step(s, vis, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
+    """One online-softmax step (base 2): scores s [M, N] (already scaled by log2 e), masked by vis,
+    values v [N, D] in the dot dtype."""
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _scores(q, kt, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        s = tl.dot(q, kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    return s
+
+
+@triton.jit
+def _cache_tile(kc_ptr, vc_ptr, k_scale_ptr, v_scale_ptr, kp, key_ok, blk, kvh, d, num_blocks,
+                kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2,
+                D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
+                KV_FP8: tl.constexpr, KV_SW: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
+                DOT_DTYPE: tl.constexpr):
+    """K^T [BLOCK_D, N] and V [N, BLOCK_D] of keys kp (in blocks blk) from head-major caches; keys
+    not in key_ok are not loaded (zeros). V_RUN > 0: the tile's keys are runs of V_RUN consecutive
+    offsets of one block each, starting at multiples of V_RUN elements (vector loads of V)."""
+    off = (kp % BS).to(tl.int32)
+    d_ok = d < D
+    if K_STD:   # stride(3) == x, stride(4) == 1: x-element runs the compiler can vectorise
+        k_in = (d // X)[:, None] * kc_s2 + (off * X)[None, :] + (d % X)[:, None]
+    else:
+        k_in = (d // X)[:, None] * kc_s2 + (off * kc_s3)[None, :] + (d % X)[:, None]
+    kt = tl.load(kc_ptr + (blk * kc_s0 + kvh * kc_s1)[None, :] + k_in, mask=d_ok[:, None] & key_ok[None, :], other=0)
+    v_row = blk * vc_s0 + kvh * vc_s1 + off
+    if V_RUN > 0:   # the block id comes from a load, so the compiler cannot see these runs itself
+        v_row = tl.max_contiguous(tl.multiple_of(v_row, V_RUN), V_RUN)
+    # no per-key mask (a mask that varies along a run prevents vector loads): every key's address is
+    # inside a page (an invalid key's block is 0, which exists when num_blocks > 0), and invalid keys
+    # are zeroed after the load, so NaN in pages outside the context never reaches the output
+    v = tl.load(vc_ptr + v_row[:, None] + d[None, :] * vc_s2, mask=(d < tl.where(num_blocks > 0, D, 0))[None, :],
+                other=0)
+    v = tl.where(key_ok[:, None], v, 0)
+    kt = _dequant(kt, k_scale_ptr, KV_FP8, KV_SW, ROUND_BF16, ROUND_F16).to(DOT_DTYPE)
+    v = _dequant(v, v_scale_ptr, KV_FP8, KV_SW, ROUND_BF16, ROUND_F16).to(DOT_DTYPE)
+    return kt, v
+
+
+@triton.jit
+def _visible(qp, kp, key_ok, row_ok, CAUSAL: tl.constexpr, SW: tl.constexpr):
+    vis = row_ok[:, None] & key_ok[None, :]
+    if CAUSAL:
+        vis = vis & (kp[None, :] <= qp[:, None])
+    if SW > 0:
+        vis = vis & (qp[:, None] - kp[None, :] < SW)
+    return vis
+
+
+@triton.jit
+def _store_out(o_ptr, o_rows, h, d, row_ok, acc, l_i, o_scale_ptr, o_s1, o_s2, D: tl.constexpr, O_KIND: tl.constexpr,
+               O_FP8: tl.constexpr, O_SW: tl.constexpr):
+    """acc / l (0 where no key was visible) into rows o_rows (element offsets) of heads h."""
+    out = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    ptrs = o_ptr + o_rows[:, None] + (h * o_s1)[:, None] + d[None, :] * o_s2
+    mask = row_ok[:, None] & (d < D)[None, :]
+    if O_KIND == 2:
+        inv = 1.0 / tl.load(o_scale_ptr)
+        tl.store(ptrs, fp8_encode(out * inv, O_FP8, O_SW), mask=mask)
+    elif O_KIND == 1:
+        tl.store(ptrs, bf16_bits_rne(out), mask=mask)
+    else:
+        tl.store(ptrs, out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _init_rows(sinks_ptr, h, row_ok, BLOCK_M: tl.constexpr, SINKS: tl.constexpr):
+    """Running max and sum of each row: the sink's logit (base 2) and exp(0) = 1, or -inf and 0."""
+    if SINKS:
+        sink = tl.load(sinks_ptr + h, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        m_i = sink
+        l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+    return m_i, l_i
+
+
+# --- prefill -------------------------------------------------------------------------------------------
+@triton.jit
+def prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, kc_ptr, vc_ptr, table_ptr, qsl_ptr, seq_ptr, k_scale_ptr, v_scale_ptr,
+    o_scale_ptr, alibi_ptr, sinks_ptr,
+    T, max_input_len, sm_scale, W, num_blocks, cache_base, page_bytes,
+    q_s0, q_s1, q_s2, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, o_s0, o_s1, o_s2,
+    kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, t_s0, t_s1, seq_s,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr,
+    V_RUN: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SW: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
+    KV_CACHE: tl.constexpr, MIN_QLEN: tl.constexpr, TABLE_PTR: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_SW: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
+    DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * HEADS
+    DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
+    r = tl.program_id(0).to(tl.int64)
+    PARTS: tl.constexpr = (GROUP + HEADS - 1) // HEADS
+    kvh = tl.program_id(1) // PARTS
+    hg = (tl.program_id(1) % PARTS) * HEADS
+    tile = tl.program_id(2)
+
+    q0 = tl.load(qsl_ptr + r).to(tl.int64)
+    qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
+    seq = tl.load(seq_ptr + r * seq_s).to(tl.int64)
+    ctx = seq - qlen
+    qlen = tl.where(qlen >= MIN_QLEN, qlen, 0)          # requests this call does not process: no rows
+    t_row = r * t_s0
+
+    i = tl.arange(0, BLOCK_M)
+    m = tile * BLOCK_Q + i // HEADS
+    hl = hg + i % HEADS
+    h = kvh * GROUP + hl
+    tok = q0 + m
+    row_ok = (m < qlen) & (m < max_input_len) & (hl < GROUP) & (tok >= 0) & (tok < T)
+    qp = ctx + m
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + (tok * q_s0 + h * q_s1)[:, None] + d[None, :] * q_s2, mask=row_ok[:, None] & (d < D)[None, :],
+                other=0).to(DOT_DTYPE)
+    scale = sm_scale * 1.4426950408889634
+    if ALIBI:
+        slope = tl.load(alibi_ptr + h, mask=row_ok, other=0) * 1.4426950408889634
+    m_i, l_i = _init_rows(sinks_ptr, h, row_ok, BLOCK_M, SINKS)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+
+    # the rows' positions bound the keys: [lowest visible, highest visible]
+    m_first = tile * BLOCK_Q
+    m_last = tl.minimum(m_first + BLOCK_Q, tl.minimum(qlen, max_input_len)) - 1
+    any_row = m_last >= m_first
+    # cached keys: positions [0, ctx), or [0, seq) when K/V come from the cache only
+    hi = seq if KV_CACHE else ctx
+    hi = tl.minimum(hi, W * BS)                          # past the table every key is invalid
+    if CAUSAL:
+        hi = tl.minimum(hi, ctx + m_last + 1)
+    lo = 0
+    if SW > 0:
+        lo = tl.maximum(ctx + m_first - SW + 1, 0)
+    hi = tl.where(any_row, hi, 0)
+    n = tl.arange(0, BLOCK_N)
+    # tile indices, not key offsets, drive the loop: start = it * BLOCK_N is then known to the
+    # compiler as a multiple of BLOCK_N, so a block's run of keys is contiguous (vector loads)
+    hi = hi.to(tl.int32)                                 # positions < W * BS <= INT32_MAX (validated)
+    lo = tl.minimum(lo, hi).to(tl.int32)
+    for it in range(lo // BLOCK_N, tl.cdiv(hi, BLOCK_N)):
+        kp = it * BLOCK_N + n
+        in_range = kp < hi
+        blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, in_range, t_s1, W, num_blocks, cache_base,
+                                 page_bytes, TABLE_PTR)
+        kt, v = _cache_tile(kc_ptr, vc_ptr, k_scale_ptr, v_scale_ptr, kp, key_ok, blk, kvh, d, num_blocks,
+                            kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
+                            KV_FP8, KV_SW, ROUND_BF16, ROUND_F16, DOT_DTYPE)
+        s = _scores(q, kt, DOT_F32) * scale
+        if ALIBI:
+            s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
+        vis = _visible(qp, kp, key_ok, row_ok, CAUSAL, SW)
+        m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, DOT_F32)
+
+    if not KV_CACHE:
+        # dense new keys j (position ctx + j, token q0 + j); rows outside [0, T) are masked
+        j_hi = tl.minimum(qlen, T - q0)
+        if CAUSAL:
+            j_hi = tl.minimum(j_hi, m_last + 1)
+        j_lo = tl.maximum(-q0, 0)
+        if SW > 0:
+            j_lo = tl.maximum(j_lo, m_first - SW + 1)
+        j_hi = tl.where(any_row, j_hi, 0).to(tl.int32)     # j < T
+        j_lo = tl.minimum(j_lo, j_hi).to(tl.int32)
+        for it in range(j_lo // BLOCK_N, tl.cdiv(j_hi, BLOCK_N)):
+            j = it * BLOCK_N + n
+            key_ok = (j < j_hi) & (q0 + j >= 0)
+            kt = tl.load(k_ptr + ((q0 + j) * k_s0 + kvh * k_s1)[None, :] + d[:, None] * k_s2,
+                         mask=(d < D)[:, None] & key_ok[None, :], other=0).to(DOT_DTYPE)
+            v = tl.load(v_ptr + ((q0 + j) * v_s0 + kvh * v_s1)[:, None] + d[None, :] * v_s2,
+                        mask=key_ok[:, None] & (d < D)[None, :], other=0).to(DOT_DTYPE)
+            kp = ctx + j
+            s = _scores(q, kt, DOT_F32) * scale
+            if ALIBI:
+                s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
+            vis = _visible(qp, kp, key_ok, row_ok, CAUSAL, SW)
+            m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, DOT_F32)
+
+    _store_out(o_ptr, tok * o_s0, h, d, row_ok, acc, l_i, o_scale_ptr, o_s1, o_s2, D, O_KIND, O_FP8, O_SW)
+
+
+# --- decode ----------------------------------------------------------------------------------------------
+@triton.jit
+def decode_kernel(
+    q_ptr, o_ptr, kc_ptr, vc_ptr, table_ptr, qsl_ptr, seq_ptr, k_scale_ptr, v_scale_ptr, o_scale_ptr,
+    alibi_ptr, sinks_ptr, part_ptr,
+    T, sm_scale, W, num_blocks, cache_base, page_bytes,
+    q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, t_s0, t_s1, seq_s,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr,
+    V_RUN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    SW: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, TABLE_PTR: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_SW: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
+    DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
+):
+    """Program (r, kvh, s): split s of the visible keys of decode request r (query length 1), for the
+    GROUP query heads of kv head kvh (rows padded to BLOCK_H)."""
+    DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
+    r = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q0 = tl.load(qsl_ptr + r).to(tl.int64)
+    qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
+    seq = tl.load(seq_ptr + r * seq_s).to(tl.int64)
+    is_decode = (qlen == 1) & (q0 >= 0) & (q0 < T)
+    t_row = r * t_s0
+
+    hl = tl.arange(0, BLOCK_H)
+    h = kvh * GROUP + hl
+    row_ok = hl < tl.where(is_decode, GROUP, 0)       # a tensor mask (interpreter)
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + q0 * q_s0 + (h * q_s1)[:, None] + d[None, :] * q_s2, mask=row_ok[:, None] & (d < D)[None, :],
+                other=0).to(DOT_DTYPE)
+    qp = tl.zeros((BLOCK_H,), tl.int64) + (seq - 1)
+    scale = sm_scale * 1.4426950408889634
+    if ALIBI:
+        slope = tl.load(alibi_ptr + h, mask=row_ok, other=0) * 1.4426950408889634
+    if SPLITS == 1:
+        m_i, l_i = _init_rows(sinks_ptr, h, row_ok, BLOCK_H, SINKS)
+    else:   # the sink joins in combine_kernel
+        m_i, l_i = _init_rows(sinks_ptr, h, row_ok, BLOCK_H, False)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+
+    # visible keys [lo, hi), split into SPLITS tile-aligned chunks
+    hi = tl.minimum(seq, W * BS)
+    lo = 0
+    if SW > 0:
+        lo = tl.maximum(seq - SW, 0)
+    hi = tl.where(is_decode, hi, 0).to(tl.int32)       # positions < W * BS <= INT32_MAX (validated)
+    lo = tl.minimum(lo, hi).to(tl.int32)
+    # split s takes tiles [t_lo, t_hi) of the visible range's tiles
+    first = lo // BLOCK_N
+    tiles = tl.maximum(tl.cdiv(hi, BLOCK_N) - first, 0)
+    per_split = tl.cdiv(tiles, SPLITS)
+    t_lo = first + split * per_split
+    t_hi = tl.minimum(t_lo + per_split, first + tiles)
+    s_hi = tl.minimum(t_hi * BLOCK_N, hi)
+    n = tl.arange(0, BLOCK_N)
+    for it in range(t_lo, t_hi):
+        kp = it * BLOCK_N + n
+        blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base,
+                                 page_bytes, TABLE_PTR)
+        kt, v = _cache_tile(kc_ptr, vc_ptr, k_scale_ptr, v_scale_ptr, kp, key_ok, blk, kvh, d, num_blocks,
+                            kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
+                            KV_FP8, KV_SW, ROUND_BF16, ROUND_F16, DOT_DTYPE)
+        s = _scores(q, kt, DOT_F32) * scale
+        if ALIBI:
+            s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
+        vis = _visible(qp, kp, key_ok, row_ok, False, SW)
+        m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, DOT_F32)
+
+    if SPLITS == 1:
+        _store_out(o_ptr, q0 * o_s0 + tl.zeros((BLOCK_H,), tl.int64), h, d, row_ok, acc, l_i, o_scale_ptr, o_s1,
+                   o_s2, D, O_KIND, O_FP8, O_SW)
+    else:
+        # partial row (r, h, split): [max, sum, acc[0:D]] in fp32, BLOCK_D + 2 wide
+        rows = ((r * GROUP * tl.num_programs(1) + h) * SPLITS + split) * (BLOCK_D + 2)
+        tl.store(part_ptr + rows, m_i, mask=row_ok)
+        tl.store(part_ptr + rows + 1, l_i, mask=row_ok)
+        tl.store(part_ptr + rows[:, None] + 2 + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def combine_kernel(
+    o_ptr, qsl_ptr, o_scale_ptr, sinks_ptr, part_ptr, T, Hq, o_s0, o_s1, o_s2,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
+    O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
+):
+    """Program (r, h): merge the SPLITS partial rows of decode request r, head h, exactly (the sink
+    joins here), and write the output row."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    q0 = tl.load(qsl_ptr + r).to(tl.int64)
+    qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
+    is_decode = (qlen == 1) & (q0 >= 0) & (q0 < T)
+    sp = tl.arange(0, BLOCK_S)
+    ok = sp < tl.where(is_decode, SPLITS, 0)
+    rows = ((r * Hq + h) * SPLITS + sp) * (BLOCK_D + 2)
+    m_s = tl.load(part_ptr + rows, mask=ok, other=float("-inf"))
+    l_s = tl.load(part_ptr + rows + 1, mask=ok, other=0.0)
+    d = tl.arange(0, BLOCK_D)
+    acc_s = tl.load(part_ptr + rows[:, None] + 2 + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+    m = tl.max(m_s, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + h + tl.zeros((1,), tl.int32)) * 1.4426950408889634
+        m = tl.maximum(m, tl.max(sink, 0))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_s - m_safe)
+    l_sum = tl.sum(l_s * w, 0)
+    if SINKS:
+        l_sum += tl.sum(tl.exp2(sink - m_safe), 0)
+    acc = tl.sum(acc_s * w[:, None], 0)
+    out = tl.where(l_sum > 0, acc / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
+    ptrs = o_ptr + q0 * o_s0 + h * o_s1 + d * o_s2
+    mask = d < tl.where(is_decode, D, 0)
+    if O_KIND == 2:
+        inv = 1.0 / tl.load(o_scale_ptr)
+        tl.store(ptrs, fp8_encode(out * inv, O_FP8, O_SW), mask=mask)
+    elif O_KIND == 1:
+        tl.store(ptrs, bf16_bits_rne(out), mask=mask)
+    else:
+        tl.store(ptrs, out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+PREFILL_LAUNCHER = FastLauncher(prefill_kernel)
+DECODE_LAUNCHER = FastLauncher(decode_kernel)
+COMBINE_LAUNCHER = FastLauncher(combine_kernel)
+
+
+# --- host-side planning ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Structural sizes of a call: heads, head size, cache block size and K layout."""
+
+    hq: int
+    hkv: int
+    d: int
+    bs: int
+    x: int
+    k_std: bool          # k_cache.stride(3) == x and stride(4) == 1 (the allocation's own layout)
+    v_align: int = 0     # gcd of v_cache.stride(0) and stride(1) when stride(3) == 1, else 0
+
+    def v_run(self, block_n: int) -> int:
+        """V_RUN of a BLOCK_N-key tile: keys come in runs of min(bs, BLOCK_N) offsets of one block
+        (one divides the other) whose first element is a multiple of that many elements; 0 if not."""
+        run = min(self.bs, block_n)
+        if run < 2 or run & (run - 1) or (block_n % self.bs and self.bs % block_n) or not self.v_align \
+                or self.v_align % run:
+            return 0
+        return run
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def block_d(self) -> int:
+        return max(16, triton.next_power_of_2(self.d))
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """Feature flags of a call (constexprs)."""
+
+    sliding_window: int = 0      # 0: none
+    causal: bool = True
+    alibi: bool = False
+    sinks: bool = False
+    kv_cache: bool = False       # k = v = None: every key from the cache
+    table_ptr: bool = False
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    return min(triton.next_power_of_2(max(n, 1)), cap)
+
+
+def prefill_tiles(geo: Geometry, q_dtype, target: platform.Target) -> dict:
+    """Tile constexprs and warps of prefill_kernel: BLOCK_Q queries x HEADS heads of one group per program."""
+    if target.backend == "interpreter":
+        block_m, block_n, warps, stages = 16, 16, 4, 1
+    elif geo.block_d > 128 or q_dtype == torch.float32:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    else:
+        block_m, block_n, warps, stages = 128, 64, 8, 2
+    heads = _pow2_at_most(geo.group, block_m)
+    return dict(HEADS=heads, BLOCK_Q=block_m // heads, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+
+def prefill_grid(requests: int, geo: Geometry, tiles: dict, max_input_len: int) -> tuple:
+    return (requests, geo.hkv * layout.cdiv(geo.group, tiles["HEADS"]), layout.cdiv(max_input_len, tiles["BLOCK_Q"]))
+
+
+def decode_tiles(geo: Geometry, q_dtype, target: platform.Target) -> dict:
+    """BLOCK_H rows (the group's query heads, padded to a dot's minimum of 16) and BLOCK_N keys per step."""
+    block_h = max(16, triton.next_power_of_2(geo.group))
+    if target.backend == "interpreter":
+        return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1)
+    block_n = 64 if geo.block_d <= 128 and q_dtype != torch.float32 else 32
+    return dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4, num_stages=2)
+
+
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 2
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_index: int | None) -> int:
+    """Streaming multiprocessors (CUs) of a GPU; 4 for the interpreter (small test grids)."""
+    if device_index is None:
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_splits(requests: int, hkv: int, max_keys: int, multiprocessor_count: int) -> int:
+    """How many parts to split each decode request's keys into (flash-decoding), from host ints only:
+    enough (request x kv head) programs for PROGRAMS_PER_SM per multiprocessor, at least
+    MIN_KEYS_PER_SPLIT keys per part, at most MAX_SPLITS parts."""
+    programs = max(requests * hkv, 1)
+    want = layout.cdiv(PROGRAMS_PER_SM * multiprocessor_count, programs)
+    return max(1, min(want, layout.cdiv(max(max_keys, 1), MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+
+
+def numeric_constexprs(numerics: Numerics) -> dict:
+    return dict(KV_FP8=numerics.kv_fp8, KV_SW=numerics.kv_sw, ROUND_BF16=numerics.round_bf16,
+                ROUND_F16=numerics.round_f16, DOT_F32=numerics.dot_f32, O_KIND=numerics.o_kind,
+                O_FP8=numerics.o_fp8, O_SW=numerics.o_sw)
+
+
+def prefill_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles: dict, min_qlen: int) -> dict:
+    return dict(D=geo.d, BLOCK_D=geo.block_d, BS=geo.bs, X=geo.x, K_STD=geo.k_std,
+                V_RUN=geo.v_run(tiles["BLOCK_N"]), GROUP=geo.group, HEADS=tiles["HEADS"], BLOCK_Q=tiles["BLOCK_Q"], BLOCK_N=tiles["BLOCK_N"],
+                SW=feats.sliding_window, CAUSAL=feats.causal, ALIBI=feats.alibi, SINKS=feats.sinks,
+                KV_CACHE=feats.kv_cache, MIN_QLEN=min_qlen, TABLE_PTR=feats.table_ptr,
+                **numeric_constexprs(numerics), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+
+
+def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles: dict, splits: int) -> dict:
+    return dict(D=geo.d, BLOCK_D=geo.block_d, BS=geo.bs, X=geo.x, K_STD=geo.k_std,
+                V_RUN=geo.v_run(tiles["BLOCK_N"]), GROUP=geo.group, BLOCK_H=tiles["BLOCK_H"], BLOCK_N=tiles["BLOCK_N"], SPLITS=splits, SW=feats.sliding_window,
+                ALIBI=feats.alibi, SINKS=feats.sinks, TABLE_PTR=feats.table_ptr, **numeric_constexprs(numerics),
+                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+
+
+def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics, splits: int) -> dict:
+    return dict(D=geo.d, BLOCK_D=geo.block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+                SINKS=feats.sinks, O_KIND=numerics.o_kind, O_FP8=numerics.o_fp8, O_SW=numerics.o_sw,
+                num_warps=1 if geo.block_d <= 128 else 2)
+
+
+def partial_elements(requests: int, geo: Geometry, splits: int) -> int:
+    """fp32 elements of the decode workspace: one [max, sum, acc] row per (request, head, split)."""
+    return requests * geo.hq * splits * (geo.block_d + 2)
+
+
+# --- compile matrix ---------------------------------------------------------------------------------------
+_FP8_CACHE = {"auto": None, "e4m3": layout.E4M3FN, "e5m2": layout.E5M2}
+
+
+def _matrix_numerics(target, q_dtype, kv: str, o_dtype) -> tuple[Numerics, layout.Fp8Format | None]:
+    fmt = _FP8_CACHE[kv]
+    if kv == "e4m3":
+        fmt = platform.platform_e4m3(target)
+    return make_numerics(q_dtype, fmt, o_dtype, target), fmt
+
+
+def _matrix_tensors(q_dtype, o_view, kv_fmt, table_dtype, prefill: bool):
+    from .matrix import Ptr
+
+    cache = Ptr(torch.uint8 if kv_fmt is not None else q_dtype)
+    f32 = Ptr(torch.float32)
+    head = (Ptr(q_dtype),) + ((Ptr(q_dtype), Ptr(q_dtype)) if prefill else ()) + (Ptr(o_view),)
+    return head + (cache, cache, Ptr(table_dtype), Ptr(torch.int32), Ptr(torch.int32), f32, f32, f32, f32, f32) \
+        + (() if prefill else (f32,))
+
+
+def _cache_strides(geo: Geometry, nb: int) -> tuple:
+    kc = (geo.hkv * geo.d * geo.bs, geo.d * geo.bs, geo.bs * geo.x, geo.x)
+    vc = (geo.hkv * geo.d * geo.bs, geo.d * geo.bs, geo.bs)
+    return kc, vc
+
+
+def matrix_launch_prefill(target, name, q_dtype, kv, o_dtype, geo: Geometry, feats: Features, min_qlen=1,
+                          table_dtype=torch.int32):
+    """What ops/attention.py passes to prefill_kernel for one call on `target` (contiguous tensors,
+    17 tokens, 3 requests, 64 blocks, a 4-column table)."""
+    numerics, fmt = _matrix_numerics(target, q_dtype, kv, o_dtype)
+    tiles = prefill_tiles(geo, q_dtype, target)
+    meta = launch_options(prefill_constexprs(geo, feats, numerics, tiles, min_qlen))
+    tokens, nb, cols = 17, 64, 4
+    q_st = (geo.hq * geo.d, geo.d, 1)
+    kv_st = (geo.hkv * geo.d, geo.d, 1) if not feats.kv_cache else q_st
+    kc, vc = _cache_strides(geo, nb)
+    elem = 1 if fmt is not None else torch.empty((), dtype=q_dtype).element_size()
+    ints = (tokens, 9, geo.d ** -0.5, cols, nb, 2**40 if feats.table_ptr else 0, kc[0] * elem, *q_st, *kv_st,
+            *kv_st, *q_st, *kc, *vc, cols, 1, 1)
+    return name, _matrix_tensors(q_dtype, output_view(o_dtype, numerics), fmt, table_dtype, True), ints, meta
+
+
+def matrix_launch_decode(target, name, q_dtype, kv, o_dtype, geo: Geometry, feats: Features, splits=1,
+                         table_dtype=torch.int32):
+    """What ops/attention.py passes to decode_kernel (3 requests, 64 blocks, a 4-column table)."""
+    numerics, fmt = _matrix_numerics(target, q_dtype, kv, o_dtype)
+    tiles = decode_tiles(geo, q_dtype, target)
+    meta = launch_options(decode_constexprs(geo, feats, numerics, tiles, splits))
+    tokens, nb, cols = 17, 64, 4
+    q_st = (geo.hq * geo.d, geo.d, 1)
+    kc, vc = _cache_strides(geo, nb)
+    elem = 1 if fmt is not None else torch.empty((), dtype=q_dtype).element_size()
+    ints = (tokens, geo.d ** -0.5, cols, nb, 2**40 if feats.table_ptr else 0, kc[0] * elem, *q_st, *q_st, *kc, *vc,
+            cols, 1, 1)
+    return name, _matrix_tensors(q_dtype, output_view(o_dtype, numerics), fmt, table_dtype, False), ints, meta
+
+
+def matrix_launch_combine(target, name, q_dtype, o_dtype, geo: Geometry, feats: Features, splits: int):
+    """What ops/attention.py passes to combine_kernel."""
+    from .matrix import Ptr
+
+    numerics, _ = _matrix_numerics(target, q_dtype, "auto", o_dtype)
+    meta = launch_options(combine_constexprs(geo, feats, numerics, splits))
+    f32 = Ptr(torch.float32)
+    tensors = (Ptr(output_view(o_dtype, numerics)), Ptr(torch.int32), f32, f32, f32)
+    return name, tensors, (17, geo.hq, geo.hq * geo.d, geo.d, 1), meta
+
+
+def _matrix_geometries():
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    e4m3 = torch.float8_e4m3fn
+    def g(hq, hkv, d, bs, x, k_std):
+        return Geometry(hq, hkv, d, bs, x, k_std, math.gcd(hkv * d * bs, d * bs))
+
+    prefill = [
+        ("prefill.bf16.d128.g4.bs16", bf16, "auto", bf16, g(32, 8, 128, 16, 8, True), Features(), 1),
+        ("prefill.f16.d64.g1.bs16.sw16.sinks", f16, "auto", f16, g(8, 8, 64, 16, 8, True),
+         Features(sliding_window=16, sinks=True), 1),
+        ("prefill.f32.d64.g8.bs32.alibi", f32, "auto", f32, g(64, 8, 64, 32, 4, True), Features(alibi=True), 1),
+        ("prefill.bf16.e4m3.d128.g4.bs16.fp8out.skip", bf16, "e4m3", e4m3, g(32, 8, 128, 16, 16, True),
+         Features(), 2),
+        ("prefill.bf16.e5m2.d256.g8.bs544.cache.noncausal.ptr", bf16, "e5m2", bf16, g(64, 8, 256, 544, 16, True),
+         Features(causal=False, kv_cache=True, table_ptr=True), 1),
+        ("prefill.f16.e4m3.d80.g64.bs16", f16, "e4m3", f16, g(64, 1, 80, 16, 16, True), Features(), 1),
+    ]
+    decode = [
+        ("decode.bf16.d128.g4.bs16", bf16, "auto", bf16, g(32, 8, 128, 16, 8, True), Features(), 1),
+        ("decode.bf16.d128.g4.bs16.split", bf16, "auto", bf16, g(32, 8, 128, 16, 8, True), Features(), 33),
+        ("decode.bf16.e4m3.d128.g4.bs16.fp8out", bf16, "e4m3", e4m3, g(32, 8, 128, 16, 16, True), Features(), 1),
+        ("decode.f16.e5m2.d64.g8.bs32.sw.alibi.sinks.split", f16, "e5m2", f16, g(64, 8, 64, 32, 16, True),
+         Features(sliding_window=128, alibi=True, sinks=True), 4),
+        ("decode.f32.d256.g1.bs544.ptr", f32, "auto", f32, g(8, 8, 256, 544, 4, True), Features(table_ptr=True), 1),
+        ("decode.bf16.d128.g64.bs16", bf16, "auto", bf16, g(64, 1, 128, 16, 8, True), Features(), 1),
+    ]
+    combine = [
+        ("combine.bf16.d128.s33.sinks", bf16, bf16, g(32, 8, 128, 16, 8, True), Features(sinks=True), 33),
+        ("combine.fp8out.d64.s4", f16, e4m3, g(64, 8, 64, 32, 16, True), Features(), 4),
+        ("combine.f32.d256.s2", f32, f32, g(8, 8, 256, 544, 4, True), Features(), 2),
+    ]
+    return prefill, decode, combine
+
+
+def matrix_cases(target: platform.Target) -> list:
+    """Specialisations of the three attention kernels on `target`: q fp16/bf16/fp32, float and fp8
+    (e4m3, e5m2) caches, fp8 output, GQA 1/4/8/64, head sizes 64/80/128/256, block sizes 16/32/544,
+    each feature flag, split and unsplit decode."""
+    from .matrix import dedupe, kernel_case
+
+    def case(fn, launch):
+        name, tensors, ints, meta = launch
+        meta = {k: v for k, v in meta.items() if k not in ("launch_pdl", "num_stages")}
+        return kernel_case(target, f"attention.{name}", fn, tensors, ints, meta)
+
+    prefill, decode, combine = _matrix_geometries()
+    cases = [case(prefill_kernel, matrix_launch_prefill(target, n, q, kv, o, geo, f, min_qlen))
+             for n, q, kv, o, geo, f, min_qlen in prefill]
+    cases += [case(decode_kernel, matrix_launch_decode(target, n, q, kv, o, geo, f, s))
+              for n, q, kv, o, geo, f, s in decode]
+    cases += [case(combine_kernel, matrix_launch_combine(target, n, q, o, geo, f, s))
+              for n, q, o, geo, f, s in combine]
+    return dedupe(cases)
