@@ -38,34 +38,29 @@ def main() -> int:
     batches = {s.name: (s, example_batch(s.query_lens(), s.seq_lens(), hq=bench.HQ, hkv=bench.HKV, dim=bench.D,
                                          bs=bench.BS, fp8=s.fp8, seed=1, device=device))
                for s in decode_specs + [mixed, prefill_only]}
-    original_decode, original_prefill = kernels.decode_tiles, kernels.prefill_tiles
+    original_prefill = kernels.prefill_tiles
 
-    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
-        def tiles(geo, q_dtype, target, block_n=block_n, warps=warps, stages=stages):
-            t = original_decode(geo, q_dtype, target)
-            return dict(t, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        kernels.decode_tiles = tiles
-        _reset()
-        for s in decode_specs:
-            args = batches[s.name][1]
-            try:
-                us = _time(args)
-                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} | {s.name}: {us:.1f} us "
-                      f"{s.bytes_per_call() / us / 1e3:.0f} GB/s", flush=True)
-            except Exception as e:   # e.g. out of shared memory
-                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} | {s.name}: ERROR {e!s:.100}",
-                      flush=True)
-    kernels.decode_tiles = original_decode
-    for per_sm in (1, 2, 4, 8):
+    all_decode = [bench.Spec(r, c, fp8) for fp8 in (False, True) for r, c in bench.DECODE]
+    for s in all_decode:
+        if s.name not in batches:
+            batches[s.name] = (s, example_batch(s.query_lens(), s.seq_lens(), hq=bench.HQ, hkv=bench.HKV,
+                                                dim=bench.D, bs=bench.BS, fp8=s.fp8, seed=1, device=device))
+    for block_n, per_sm in itertools.product((64, 128), (1, 2, 4, 8, 16)):
+        kernels.DECODE_BLOCK_N_LARGE_SMEM = block_n
         kernels.PROGRAMS_PER_SM = per_sm
         _reset()
-        for s in decode_specs:
+        for s in all_decode + [mixed]:
             us = _time(batches[s.name][1])
-            print(f"decode PROGRAMS_PER_SM={per_sm} | {s.name}: {us:.1f} us {s.bytes_per_call() / us / 1e3:.0f} GB/s",
-                  flush=True)
-    kernels.PROGRAMS_PER_SM = 2
+            print(f"decode BLOCK_N={block_n} PROGRAMS_PER_SM={per_sm} | {s.name}: {us:.1f} us "
+                  f"{s.bytes_per_call() / us / 1e3:.0f} GB/s", flush=True)
+    kernels.DECODE_BLOCK_N_LARGE_SMEM, kernels.PROGRAMS_PER_SM = 128, 2
+    for concurrent in (False, True):
+        ops.CONCURRENT.enabled = concurrent
+        us = _time(batches[mixed.name][1])
+        print(f"mixed step, prefill and decode on two streams={concurrent}: {us:.1f} us", flush=True)
+    ops.CONCURRENT.enabled = True
 
-    for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+    for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
         def tiles(geo, q_dtype, target, block_m=block_m, block_n=block_n, warps=warps, stages=stages):
             heads = min(triton_next_pow2(geo.group), block_m)
             return dict(HEADS=heads, BLOCK_Q=block_m // heads, BLOCK_N=block_n, num_warps=warps, num_stages=stages)

@@ -92,12 +92,19 @@ def _hw_conversions(result) -> set[tuple[str, str]]:
 
 def _expected_hw(result) -> set[tuple[str, str]]:
     """The hardware fp8 conversions a result must contain: none where the software codec (SW*) or
-    no fp8 at all is used; k_cache insert encodes and gather decodes its format FMT."""
+    no fp8 at all is used; k_cache insert encodes and gather decodes its format FMT; attention decodes
+    its fp8 cache and encodes an fp8 output."""
     c = result["constexprs"]
     out = set()
     if result["module"] == "torch_dsv4_ops.kernels.k_cache":
         if not c["SW"]:
             out.add(("encode" if result["name"].startswith("k_cache_insert") else "decode", FAMILY[c["FMT"]]))
+        return out
+    if result["module"] == "torch_dsv4_ops.kernels.attention":   # fp8 cache codes decoded, fp8 output encoded
+        if c.get("KV_FP8") and not c["KV_SW"]:
+            out.add(("decode", FAMILY[c["KV_FP8"]]))
+        if c.get("O_KIND") == 2 and not c["O_SW"]:
+            out.add(("encode", FAMILY[c["O_FP8"]]))
         return out
     if result["module"] != CACHE_MODULE:
         return out

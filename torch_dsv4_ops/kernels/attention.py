@@ -39,8 +39,6 @@ class Numerics:
     kv_fp8: int = layout.NOT_FP8      # fp8 format code of the cache, 0 for a float cache
     kv_sw: bool = False               # decode cache codes with the software codec
     dot_f32: bool = False             # dots in fp32 (the interpreter; fp32 q anywhere)
-    round_bf16: bool = False          # round dequantised K/V to bf16 by bits (interpreter, bf16 q)
-    round_f16: bool = False           # round dequantised K/V through fp16 (fp16 q)
     o_kind: int = O_NATIVE
     o_fp8: int = layout.NOT_FP8       # fp8 format code of the output for O_FP8
     o_sw: bool = False                # encode the output with the software codec
@@ -60,8 +58,6 @@ def make_numerics(q_dtype, kv_fmt: layout.Fp8Format | None, o_dtype, target: pla
     return Numerics(kv_fp8=kv_fmt.code if fp8 else layout.NOT_FP8,
                     kv_sw=fp8 and not platform.native_fp8(target, kv_fmt),
                     dot_f32=interpret or q_dtype == torch.float32,
-                    round_bf16=fp8 and interpret and q_dtype == torch.bfloat16,
-                    round_f16=fp8 and q_dtype == torch.float16,
                     o_kind=o_kind, o_fp8=o_code, o_sw=o_sw)
 
 
@@ -99,30 +95,28 @@ def _block_ids(table_ptr, t_row, col, ok, t_s1, W, num_blocks, cache_base, page_
 
 
 @triton.jit
-def _dequant(x, scale_ptr, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, ROUND_BF16: tl.constexpr,
-             ROUND_F16: tl.constexpr):
-    """Cache values -> fp32: fp8 codes as float(fp8) * scale rounded to q's dtype (SPEC §3.7)."""
+def _codes(x, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Cache values in the dot dtype. fp8 codes are converted unscaled, exactly (every e4m3/e5m2 value
+    is a bf16 and an fp16 value); the per-tensor scales multiply the scores and the probabilities."""
     if KV_FP8 != 0:
-        y = fp8_decode(x, KV_FP8, KV_SW) * tl.load(scale_ptr)
-        if ROUND_BF16:
-            y = bf16_bits_rne(y).to(tl.bfloat16, bitcast=True).to(tl.float32)
-        elif ROUND_F16:
-            y = y.to(tl.float16).to(tl.float32)
+        y = fp8_decode(x, KV_FP8, KV_SW).to(DOT_DTYPE)
     else:
-        y = x.to(tl.float32)
+        y = x.to(DOT_DTYPE)
     return y
 
 
 @triton.jit
-def _softmax_step(s, vis, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
+def _softmax_step(s, vis, v, m_i, l_i, acc, p_scale, DOT_F32: tl.constexpr, P_SCALED: tl.constexpr):
     """One online-softmax step (base 2): scores s [M, N] (already scaled by log2 e), masked by vis,
-    values v [N, D] in the dot dtype."""
+    values v [N, D] in the dot dtype, multiplied by p_scale (the V scale of an fp8 cache) when P_SCALED."""
     s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if P_SCALED:
+        p = p * p_scale
     if DOT_F32:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     else:
@@ -140,11 +134,10 @@ def _scores(q, kt, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _cache_tile(kc_ptr, vc_ptr, k_scale_ptr, v_scale_ptr, kp, key_ok, blk, kvh, d, num_blocks,
+def _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
                 kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2,
                 D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
-                KV_FP8: tl.constexpr, KV_SW: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
-                DOT_DTYPE: tl.constexpr):
+                KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """K^T [BLOCK_D, N] and V [N, BLOCK_D] of keys kp (in blocks blk) from head-major caches; keys
     not in key_ok are not loaded (zeros). V_RUN > 0: the tile's keys are runs of V_RUN consecutive
     offsets of one block each, starting at multiples of V_RUN elements (vector loads of V)."""
@@ -164,8 +157,8 @@ def _cache_tile(kc_ptr, vc_ptr, k_scale_ptr, v_scale_ptr, kp, key_ok, blk, kvh, 
     v = tl.load(vc_ptr + v_row[:, None] + d[None, :] * vc_s2, mask=(d < tl.where(num_blocks > 0, D, 0))[None, :],
                 other=0)
     v = tl.where(key_ok[:, None], v, 0)
-    kt = _dequant(kt, k_scale_ptr, KV_FP8, KV_SW, ROUND_BF16, ROUND_F16).to(DOT_DTYPE)
-    v = _dequant(v, v_scale_ptr, KV_FP8, KV_SW, ROUND_BF16, ROUND_F16).to(DOT_DTYPE)
+    kt = _codes(kt, KV_FP8, KV_SW, DOT_DTYPE)
+    v = _codes(v, KV_FP8, KV_SW, DOT_DTYPE)
     return kt, v
 
 
@@ -220,16 +213,17 @@ def prefill_kernel(
     V_RUN: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SW: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
     KV_CACHE: tl.constexpr, MIN_QLEN: tl.constexpr, TABLE_PTR: tl.constexpr,
-    KV_FP8: tl.constexpr, KV_SW: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
-    DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
-    r = tl.program_id(0).to(tl.int64)
+    # program (t, g, r): the q tiles of one request and head group are adjacent in launch order, so
+    # they run together and read that group's K/V tiles from L2 rather than each from memory
+    tile = tl.program_id(0)
     PARTS: tl.constexpr = (GROUP + HEADS - 1) // HEADS
     kvh = tl.program_id(1) // PARTS
     hg = (tl.program_id(1) % PARTS) * HEADS
-    tile = tl.program_id(2)
+    r = tl.program_id(2).to(tl.int64)
 
     q0 = tl.load(qsl_ptr + r).to(tl.int64)
     qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
@@ -249,6 +243,11 @@ def prefill_kernel(
     q = tl.load(q_ptr + (tok * q_s0 + h * q_s1)[:, None] + d[None, :] * q_s2, mask=row_ok[:, None] & (d < D)[None, :],
                 other=0).to(DOT_DTYPE)
     scale = sm_scale * 1.4426950408889634
+    cache_scale = scale
+    v_scale = 1.0
+    if KV_FP8 != 0:
+        cache_scale = scale * tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     if ALIBI:
         slope = tl.load(alibi_ptr + h, mask=row_ok, other=0) * 1.4426950408889634
     m_i, l_i = _init_rows(sinks_ptr, h, row_ok, BLOCK_M, SINKS)
@@ -277,14 +276,14 @@ def prefill_kernel(
         in_range = kp < hi
         blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, in_range, t_s1, W, num_blocks, cache_base,
                                  page_bytes, TABLE_PTR)
-        kt, v = _cache_tile(kc_ptr, vc_ptr, k_scale_ptr, v_scale_ptr, kp, key_ok, blk, kvh, d, num_blocks,
+        kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
                             kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                            KV_FP8, KV_SW, ROUND_BF16, ROUND_F16, DOT_DTYPE)
-        s = _scores(q, kt, DOT_F32) * scale
+                            KV_FP8, KV_SW, DOT_DTYPE)
+        s = _scores(q, kt, DOT_F32) * cache_scale
         if ALIBI:
             s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
         vis = _visible(qp, kp, key_ok, row_ok, CAUSAL, SW)
-        m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, DOT_F32)
+        m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, v_scale, DOT_F32, KV_FP8 != 0)
 
     if not KV_CACHE:
         # dense new keys j (position ctx + j, token q0 + j); rows outside [0, T) are masked
@@ -308,7 +307,7 @@ def prefill_kernel(
             if ALIBI:
                 s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
             vis = _visible(qp, kp, key_ok, row_ok, CAUSAL, SW)
-            m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, DOT_F32)
+            m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, 1.0, DOT_F32, False)
 
     _store_out(o_ptr, tok * o_s0, h, d, row_ok, acc, l_i, o_scale_ptr, o_s1, o_s2, D, O_KIND, O_FP8, O_SW)
 
@@ -321,10 +320,9 @@ def decode_kernel(
     T, sm_scale, W, num_blocks, cache_base, page_bytes,
     q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, t_s0, t_s1, seq_s,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr,
-    V_RUN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    V_RUN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     SW: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, TABLE_PTR: tl.constexpr,
-    KV_FP8: tl.constexpr, KV_SW: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
-    DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
 ):
     """Program (r, kvh, s): split s of the visible keys of decode request r (query length 1), for the
     GROUP query heads of kv head kvh (rows padded to BLOCK_H)."""
@@ -332,6 +330,7 @@ def decode_kernel(
     r = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    splits = tl.num_programs(2)     # a runtime count (SPEC §4 h); SPLIT: whether there is more than one
     q0 = tl.load(qsl_ptr + r).to(tl.int64)
     qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
     seq = tl.load(seq_ptr + r * seq_s).to(tl.int64)
@@ -346,15 +345,17 @@ def decode_kernel(
                 other=0).to(DOT_DTYPE)
     qp = tl.zeros((BLOCK_H,), tl.int64) + (seq - 1)
     scale = sm_scale * 1.4426950408889634
+    if KV_FP8 != 0:
+        scale = scale * tl.load(k_scale_ptr)
     if ALIBI:
         slope = tl.load(alibi_ptr + h, mask=row_ok, other=0) * 1.4426950408889634
-    if SPLITS == 1:
+    if not SPLIT:
         m_i, l_i = _init_rows(sinks_ptr, h, row_ok, BLOCK_H, SINKS)
     else:   # the sink joins in combine_kernel
         m_i, l_i = _init_rows(sinks_ptr, h, row_ok, BLOCK_H, False)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
 
-    # visible keys [lo, hi), split into SPLITS tile-aligned chunks
+    # visible keys [lo, hi), split into `splits` tile-aligned chunks
     hi = tl.minimum(seq, W * BS)
     lo = 0
     if SW > 0:
@@ -364,7 +365,7 @@ def decode_kernel(
     # split s takes tiles [t_lo, t_hi) of the visible range's tiles
     first = lo // BLOCK_N
     tiles = tl.maximum(tl.cdiv(hi, BLOCK_N) - first, 0)
-    per_split = tl.cdiv(tiles, SPLITS)
+    per_split = tl.cdiv(tiles, splits)
     t_lo = first + split * per_split
     t_hi = tl.minimum(t_lo + per_split, first + tiles)
     s_hi = tl.minimum(t_hi * BLOCK_N, hi)
@@ -373,21 +374,23 @@ def decode_kernel(
         kp = it * BLOCK_N + n
         blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base,
                                  page_bytes, TABLE_PTR)
-        kt, v = _cache_tile(kc_ptr, vc_ptr, k_scale_ptr, v_scale_ptr, kp, key_ok, blk, kvh, d, num_blocks,
+        kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
                             kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                            KV_FP8, KV_SW, ROUND_BF16, ROUND_F16, DOT_DTYPE)
+                            KV_FP8, KV_SW, DOT_DTYPE)
         s = _scores(q, kt, DOT_F32) * scale
         if ALIBI:
             s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
         vis = _visible(qp, kp, key_ok, row_ok, False, SW)
-        m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, DOT_F32)
+        m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, 1.0, DOT_F32, False)
+    if KV_FP8 != 0:   # every V of this sum has the one scale
+        acc = acc * tl.load(v_scale_ptr)
 
-    if SPLITS == 1:
+    if not SPLIT:
         _store_out(o_ptr, q0 * o_s0 + tl.zeros((BLOCK_H,), tl.int64), h, d, row_ok, acc, l_i, o_scale_ptr, o_s1,
                    o_s2, D, O_KIND, O_FP8, O_SW)
     else:
         # partial row (r, h, split): [max, sum, acc[0:D]] in fp32, BLOCK_D + 2 wide
-        rows = ((r * GROUP * tl.num_programs(1) + h) * SPLITS + split) * (BLOCK_D + 2)
+        rows = ((r * GROUP * tl.num_programs(1) + h) * splits + split) * (BLOCK_D + 2)
         tl.store(part_ptr + rows, m_i, mask=row_ok)
         tl.store(part_ptr + rows + 1, l_i, mask=row_ok)
         tl.store(part_ptr + rows[:, None] + 2 + d[None, :], acc, mask=row_ok[:, None])
@@ -395,11 +398,11 @@ def decode_kernel(
 
 @triton.jit
 def combine_kernel(
-    o_ptr, qsl_ptr, o_scale_ptr, sinks_ptr, part_ptr, T, Hq, o_s0, o_s1, o_s2,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
+    o_ptr, qsl_ptr, o_scale_ptr, sinks_ptr, part_ptr, T, Hq, splits, o_s0, o_s1, o_s2,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
     O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
 ):
-    """Program (r, h): merge the SPLITS partial rows of decode request r, head h, exactly (the sink
+    """Program (r, h): merge the `splits` (<= BLOCK_S) partial rows of decode request r, head h, exactly (the sink
     joins here), and write the output row."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -407,8 +410,8 @@ def combine_kernel(
     qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
     is_decode = (qlen == 1) & (q0 >= 0) & (q0 < T)
     sp = tl.arange(0, BLOCK_S)
-    ok = sp < tl.where(is_decode, SPLITS, 0)
-    rows = ((r * Hq + h) * SPLITS + sp) * (BLOCK_D + 2)
+    ok = sp < tl.where(is_decode, splits, 0)
+    rows = ((r * Hq + h) * splits + sp) * (BLOCK_D + 2)
     m_s = tl.load(part_ptr + rows, mask=ok, other=float("-inf"))
     l_s = tl.load(part_ptr + rows + 1, mask=ok, other=0.0)
     d = tl.arange(0, BLOCK_D)
@@ -500,7 +503,7 @@ def prefill_tiles(geo: Geometry, q_dtype, target: platform.Target) -> dict:
 
 
 def prefill_grid(requests: int, geo: Geometry, tiles: dict, max_input_len: int) -> tuple:
-    return (requests, geo.hkv * layout.cdiv(geo.group, tiles["HEADS"]), layout.cdiv(max_input_len, tiles["BLOCK_Q"]))
+    return (layout.cdiv(max_input_len, tiles["BLOCK_Q"]), geo.hkv * layout.cdiv(geo.group, tiles["HEADS"]), requests)
 
 
 def decode_tiles(geo: Geometry, q_dtype, target: platform.Target) -> dict:
@@ -508,8 +511,18 @@ def decode_tiles(geo: Geometry, q_dtype, target: platform.Target) -> dict:
     block_h = max(16, triton.next_power_of_2(geo.group))
     if target.backend == "interpreter":
         return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1)
-    block_n = 64 if geo.block_d <= 128 and q_dtype != torch.float32 else 32
+    small = geo.block_d <= 128 and q_dtype != torch.float32
+    block_n = DECODE_BLOCK_N_LARGE_SMEM if small and large_shared_memory(target) else 64 if small else 32
     return dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4, num_stages=2)
+
+
+DECODE_BLOCK_N_LARGE_SMEM = 128
+
+
+def large_shared_memory(target: platform.Target) -> bool:
+    """Hopper and datacenter Blackwell: 228 KB of shared memory per SM, room for two stages of
+    128-key K and V tiles; other targets get 64-key tiles."""
+    return target.backend == "cuda" and target.arch in (90, 100)
 
 
 MIN_KEYS_PER_SPLIT = 256
@@ -535,8 +548,7 @@ def decode_splits(requests: int, hkv: int, max_keys: int, multiprocessor_count: 
 
 
 def numeric_constexprs(numerics: Numerics) -> dict:
-    return dict(KV_FP8=numerics.kv_fp8, KV_SW=numerics.kv_sw, ROUND_BF16=numerics.round_bf16,
-                ROUND_F16=numerics.round_f16, DOT_F32=numerics.dot_f32, O_KIND=numerics.o_kind,
+    return dict(KV_FP8=numerics.kv_fp8, KV_SW=numerics.kv_sw, DOT_F32=numerics.dot_f32, O_KIND=numerics.o_kind,
                 O_FP8=numerics.o_fp8, O_SW=numerics.o_sw)
 
 
@@ -550,13 +562,14 @@ def prefill_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles
 
 def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles: dict, splits: int) -> dict:
     return dict(D=geo.d, BLOCK_D=geo.block_d, BS=geo.bs, X=geo.x, K_STD=geo.k_std,
-                V_RUN=geo.v_run(tiles["BLOCK_N"]), GROUP=geo.group, BLOCK_H=tiles["BLOCK_H"], BLOCK_N=tiles["BLOCK_N"], SPLITS=splits, SW=feats.sliding_window,
+                V_RUN=geo.v_run(tiles["BLOCK_N"]), GROUP=geo.group, BLOCK_H=tiles["BLOCK_H"], BLOCK_N=tiles["BLOCK_N"],
+                SPLIT=splits > 1, SW=feats.sliding_window,
                 ALIBI=feats.alibi, SINKS=feats.sinks, TABLE_PTR=feats.table_ptr, **numeric_constexprs(numerics),
                 num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
 
-def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics, splits: int) -> dict:
-    return dict(D=geo.d, BLOCK_D=geo.block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics) -> dict:
+    return dict(D=geo.d, BLOCK_D=geo.block_d, BLOCK_S=MAX_SPLITS,
                 SINKS=feats.sinks, O_KIND=numerics.o_kind, O_FP8=numerics.o_fp8, O_SW=numerics.o_sw,
                 num_warps=1 if geo.block_d <= 128 else 2)
 
@@ -630,10 +643,10 @@ def matrix_launch_combine(target, name, q_dtype, o_dtype, geo: Geometry, feats: 
     from .matrix import Ptr
 
     numerics, _ = _matrix_numerics(target, q_dtype, "auto", o_dtype)
-    meta = launch_options(combine_constexprs(geo, feats, numerics, splits))
+    meta = launch_options(combine_constexprs(geo, feats, numerics))
     f32 = Ptr(torch.float32)
     tensors = (Ptr(output_view(o_dtype, numerics)), Ptr(torch.int32), f32, f32, f32)
-    return name, tensors, (17, geo.hq, geo.hq * geo.d, geo.d, 1), meta
+    return name, tensors, (17, geo.hq, splits, geo.hq * geo.d, geo.d, 1), meta
 
 
 def _matrix_geometries():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 
 import torch
 
@@ -22,6 +23,7 @@ from ._plans import MISSING, PlanCache, signature
 
 Q_DTYPES = layout.FLOAT_CACHE_DTYPES
 TABLE_DTYPES = (torch.int32, torch.int64)
+MAX_GRID_Y = 65535      # requests are the prefill grid's third axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +191,9 @@ def _prefill_launch(checked: Checked, numerics: kernels.Numerics, q, k, v, o, k_
     geo, target = checked.geo, platform.target_for(q.device)
     if checked.tokens == 0 or checked.requests == 0 or max_len == 0:
         return None
+    if checked.requests > MAX_GRID_Y:
+        raise NotImplementedError(f"the prefill path takes at most {MAX_GRID_Y} requests per call, got "
+                                  f"{checked.requests}")
     c = _common_ints(checked, k_cache, v_cache, table, seq_lens, sm_scale, checked.feats.table_ptr)
     tiles = kernels.prefill_tiles(geo, q.dtype, target)
     meta = kernels.launch_options(kernels.prefill_constexprs(geo, checked.feats, numerics, tiles, min_qlen))
@@ -299,10 +304,10 @@ def _chunked_plan(query, key, value, output, kv_cache_dtype, key_cache, value_ca
     decode = kernels.DECODE_LAUNCHER.bind((checked.requests, geo.hkv, splits), decode_dtypes, ints, meta, device)
     if splits == 1:
         return ChunkedPlan(prefill, decode, None, 0)
-    meta = kernels.launch_options(kernels.combine_constexprs(geo, feats, numerics, splits))
+    meta = kernels.launch_options(kernels.combine_constexprs(geo, feats, numerics))
     combine = kernels.COMBINE_LAUNCHER.bind(
         (checked.requests, geo.hq), (dtypes[3], torch.int32, torch.float32, torch.float32, torch.float32),
-        (checked.tokens, geo.hq, *output.stride()), meta, device)
+        (checked.tokens, geo.hq, splits, *output.stride()), meta, device)
     return ChunkedPlan(prefill, decode, combine, kernels.partial_elements(checked.requests, geo, splits))
 
 
@@ -319,19 +324,49 @@ def _chunked_kernel(query, key, value, output, kv_cache_dtype, key_cache, value_
     plan = _CHUNKED_PLANS.get(sig, MISSING)
     if plan is MISSING:
         plan = _CHUNKED_PLANS.remember(sig, _chunked_plan(*args, forced))
-    scale_or = k_scale
-    out_scale, alibi, sink = _optional(output_scale, scale_or), _optional(alibi_slopes, scale_or), \
-        _optional(sinks, scale_or)
-    if plan.prefill is not None:
+    out_scale, alibi, sink = _optional(output_scale, k_scale), _optional(alibi_slopes, k_scale), \
+        _optional(sinks, k_scale)
+    side = None
+    if plan.prefill is not None and plan.decode is not None and CONCURRENT.enabled and output.is_cuda:
+        # the prefill (compute-bound) and decode (memory-bound) kernels write disjoint rows: run them
+        # side by side, the prefill on a side stream that forks from and joins the current one
+        # (also inside CUDA-graph capture)
+        current = torch.cuda.current_stream(output.device)
+        side = _side_stream(output.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            plan.prefill(query, _optional(key, query), _optional(value, query), output, key_cache, value_cache,
+                         block_table, query_start_loc, seq_lens, k_scale, v_scale, out_scale, alibi, sink)
+    elif plan.prefill is not None:
         plan.prefill(query, _optional(key, query), _optional(value, query), output, key_cache, value_cache,
                      block_table, query_start_loc, seq_lens, k_scale, v_scale, out_scale, alibi, sink)
-    if plan.decode is None:
-        return
-    part = output.new_empty((plan.workspace,), dtype=torch.float32) if plan.combine is not None else k_scale
-    plan.decode(query, output, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale, v_scale,
-                out_scale, alibi, sink, part)
-    if plan.combine is not None:
-        plan.combine(output, query_start_loc, out_scale, sink, part)
+    if plan.decode is not None:
+        part = output.new_empty((plan.workspace,), dtype=torch.float32) if plan.combine is not None else k_scale
+        plan.decode(query, output, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale,
+                    v_scale, out_scale, alibi, sink, part)
+        if plan.combine is not None:
+            plan.combine(output, query_start_loc, out_scale, sink, part)
+    if side is not None:
+        current.wait_stream(side)
+
+
+class _Concurrent:
+    """Whether chunked_prefill_paged_decode runs its prefill and decode kernels concurrently (two
+    streams) when it has both. TORCH_DSV4_ATTENTION_STREAMS=0 turns it off."""
+
+    enabled = os.environ.get("TORCH_DSV4_ATTENTION_STREAMS", "1") != "0"
+
+
+CONCURRENT = _Concurrent()
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
 
 
 def _chunked_reference(query, key, value, output, kv_cache_dtype, key_cache, value_cache, block_table,
