@@ -1,4 +1,4 @@
-"""Tile sweep of the attention kernels on a GPU: `python -m benchmarks.sweep_attention`.
+"""Tile sweep of the attention kernels on a GPU: `python -m benchmarks.sweep_attention [--decode-only]`.
 
 Times the benchmark's decode and mixed-step cases (benchmarks/bench_attention.py) under each tile
 setting of `kernels/attention.py` (patched in place of `decode_tiles` / `prefill_tiles`) and prints
@@ -16,6 +16,11 @@ from torch_dsv4_ops.ops import attention as ops
 
 from . import bench_attention as bench
 from . import harness
+
+
+# (BLOCK_N, warps, stages, PROGRAMS_PER_SM) of the decode kernel
+DECODE_CONFIGS = ((128, 4, 2, 2), (64, 4, 2, 2), (64, 4, 3, 2), (64, 4, 3, 8), (64, 4, 4, 8), (128, 4, 3, 2),
+                  (128, 8, 2, 2), (32, 4, 4, 8), (64, 8, 3, 8))
 
 
 def _time(args) -> float:
@@ -45,15 +50,25 @@ def main() -> int:
         if s.name not in batches:
             batches[s.name] = (s, example_batch(s.query_lens(), s.seq_lens(), hq=bench.HQ, hkv=bench.HKV,
                                                 dim=bench.D, bs=bench.BS, fp8=s.fp8, seed=1, device=device))
-    for block_n, per_sm in itertools.product((64, 128), (1, 2, 4, 8, 16)):
-        kernels.DECODE_BLOCK_N_LARGE_SMEM = block_n
+    original_decode = kernels.decode_tiles
+    for block_n, warps, stages, per_sm in DECODE_CONFIGS:
+        def tiles(geo, q_dtype, target, block_n=block_n, warps=warps, stages=stages):
+            return dict(original_decode(geo, q_dtype, target), BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        kernels.decode_tiles = tiles
         kernels.PROGRAMS_PER_SM = per_sm
         _reset()
-        for s in all_decode + [mixed]:
-            us = _time(batches[s.name][1])
-            print(f"decode BLOCK_N={block_n} PROGRAMS_PER_SM={per_sm} | {s.name}: {us:.1f} us "
-                  f"{s.bytes_per_call() / us / 1e3:.0f} GB/s", flush=True)
-    kernels.DECODE_BLOCK_N_LARGE_SMEM, kernels.PROGRAMS_PER_SM = 128, 2
+        for s in all_decode:
+            try:
+                us = _time(batches[s.name][1])
+                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} PROGRAMS_PER_SM={per_sm} | {s.name}: "
+                      f"{us:.1f} us {s.bytes_per_call() / us / 1e3:.0f} GB/s", flush=True)
+            except Exception as e:   # e.g. out of shared memory
+                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} PROGRAMS_PER_SM={per_sm} | {s.name}: "
+                      f"ERROR {e!s:.100}", flush=True)
+    kernels.decode_tiles, kernels.PROGRAMS_PER_SM = original_decode, 2
+    _reset()
+    if "--decode-only" in sys.argv:
+        return 0
     for concurrent in (False, True):
         ops.CONCURRENT.enabled = concurrent
         us = _time(batches[mixed.name][1])

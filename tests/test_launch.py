@@ -5,6 +5,7 @@ checks, for every op example, that direct launches, public launches and launches
 launch hook write the same bytes (direct launches rely on Triton-internal argument layouts).
 """
 import contextlib
+import dataclasses
 import importlib
 import pkgutil
 import warnings
@@ -185,6 +186,14 @@ def _fast_launchers():
     return found
 
 
+def _holds_launch(plan) -> bool:
+    """A Launch, or a plan dataclass with a Launch field (attention's ChunkedPlan)."""
+    if isinstance(plan, _launch.Launch):
+        return True
+    return dataclasses.is_dataclass(plan) and any(isinstance(getattr(plan, f.name), _launch.Launch)
+                                                  for f in dataclasses.fields(plan))
+
+
 def _plan_caches():
     """(module, name) of every module-level dict of torch_dsv4_ops.ops holding Launch objects."""
     import torch_dsv4_ops.ops as ops
@@ -193,7 +202,7 @@ def _plan_caches():
     for info in pkgutil.iter_modules(ops.__path__):
         module = importlib.import_module(f"{ops.__name__}.{info.name}")
         for name, value in vars(module).items():
-            if isinstance(value, dict) and any(isinstance(v, _launch.Launch) for v in value.values()):
+            if isinstance(value, dict) and any(_holds_launch(v) for v in value.values()):
                 found.append((module, name))
     return found
 

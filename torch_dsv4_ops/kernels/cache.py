@@ -225,11 +225,8 @@ def head_major_group_kernel(
         k2 = tl.reshape(k3, (BLOCK_DK // XK, TOK * XK))
         tl.store(kc_ptr + blk0 * kc_blk + h * kc_h + dx[:, None] * kc_dx + off0 * XK + j[None, :], k2,
                  mask=((dx[:, None] * XK + j[None, :] % XK) < DK))
-        v_row = vc_ptr + blk0 * vc_blk + h * vc_h + dv[:, None] * vc_dx
-        if off0 == 0:   # a run from a block's start (prefill): the compiler sees aligned rows (vector stores)
-            tl.store(v_row + t[None, :], v, mask=(dv < DV)[:, None])
-        else:
-            tl.store(v_row + (off0 + t)[None, :], v, mask=(dv < DV)[:, None])
+        tl.store(vc_ptr + blk0 * vc_blk + h * vc_h + dv[:, None] * vc_dx + (off0 + t)[None, :], v,
+                 mask=(dv < DV)[:, None])
     else:
         tl.store(kc_ptr + (blk * kc_blk + off * kc_off)[None, :, None] + h * kc_h + dx[:, None, None] * kc_dx
                  + di[None, None, :] * kc_di, k3, mask=k_in & valid[None, :, None])
