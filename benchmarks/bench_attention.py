@@ -188,7 +188,8 @@ def targets(doc: dict) -> dict:
         c.update(byte_floor_us=harness.sig(byte_floor), flop_floor_us=harness.sig(flop_floor),
                  x_of_floor=harness.sig(c["us"] / max(byte_floor, flop_floor)))
         out["mixed_step_x_of_floor"] = {
-            "target": f"<= {MIXED_TARGET_FACTOR:g} x max(byte floor {byte_floor:.1f} us, FLOP floor {flop_floor:.1f} us)",
+            "target": f"<= {MIXED_TARGET_FACTOR:g} x max(byte floor {byte_floor:.1f} us, "
+                      f"FLOP floor {flop_floor:.1f} us)",
             "value": c["x_of_floor"], "pass": c["x_of_floor"] <= MIXED_TARGET_FACTOR}
     else:
         out["mixed_step_x_of_floor"] = {"target": f"<= {MIXED_TARGET_FACTOR:g} x the larger floor", "value": None,

@@ -1,6 +1,6 @@
 """Triton kernels for paged attention over head-major flash caches (SPEC §2.3, §3.7).
 
-`prefill_kernel` (context_attention_fwd): program (r, g, t) computes BLOCK_Q query rows of request r
+`prefill_kernel` (context_attention_fwd): program (t, g, r) computes BLOCK_Q query rows of request r
 for HEADS query heads of one kv head (the rows of a tile are (query, head) pairs, so a K/V tile
 loaded once serves every query head of its group), first over the cached keys, then over the dense
 new keys, with an online softmax in base 2.
@@ -8,8 +8,9 @@ new keys, with an online softmax in base 2.
 split s of request r's visible keys for all query heads of kv head kvh; with one split it writes
 the output, otherwise partial (max, sum, unnormalised output) rows that `combine_kernel` merges.
 
-Masked keys (invisible, invalid block, past the table) are never loaded, so unused cache pages may
-hold anything, NaN included. Ints that vary per step (token, request and table sizes) are runtime
+Keys outside the range a program can see are never loaded. Inside a tile, K of an invalid key (invalid
+block, past the table or the context) is not loaded, and its V row is read from a page that exists
+(its own, or block 0) and zeroed, so unused cache pages may hold anything, NaN included. Ints that vary per step (token, request and table sizes) are runtime
 arguments; structural sizes and feature flags are constexprs (SPEC §4 h).
 """
 from __future__ import annotations
@@ -25,8 +26,6 @@ import triton.language as tl
 from .. import layout, platform
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
 from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
-
-LOG2E = 1.4426950408889634
 
 # How the output is stored (constexpr O_KIND)
 O_NATIVE, O_BF16_BITS, O_FP8 = 0, 1, 2
@@ -139,7 +138,7 @@ def _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
                 D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
                 KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """K^T [BLOCK_D, N] and V [N, BLOCK_D] of keys kp (in blocks blk) from head-major caches; keys
-    not in key_ok are not loaded (zeros). V_RUN > 0: the tile's keys are runs of V_RUN consecutive
+    not in key_ok are zeros. V_RUN > 0: the tile's keys are runs of V_RUN consecutive
     offsets of one block each, starting at multiples of V_RUN elements (vector loads of V)."""
     off = (kp % BS).to(tl.int32)
     d_ok = d < D
@@ -213,7 +212,8 @@ def prefill_kernel(
     V_RUN: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SW: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
     KV_CACHE: tl.constexpr, MIN_QLEN: tl.constexpr, TABLE_PTR: tl.constexpr,
-    KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr,
+    O_SW: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
@@ -322,7 +322,8 @@ def decode_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr,
     V_RUN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     SW: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, TABLE_PTR: tl.constexpr,
-    KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr,
+    O_SW: tl.constexpr,
 ):
     """Program (r, kvh, s): split s of the visible keys of decode request r (query length 1), for the
     GROUP query heads of kv head kvh (rows padded to BLOCK_H)."""
@@ -562,7 +563,8 @@ def prefill_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles
 
 def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles: dict, splits: int) -> dict:
     return dict(D=geo.d, BLOCK_D=geo.block_d, BS=geo.bs, X=geo.x, K_STD=geo.k_std,
-                V_RUN=geo.v_run(tiles["BLOCK_N"]), GROUP=geo.group, BLOCK_H=tiles["BLOCK_H"], BLOCK_N=tiles["BLOCK_N"],
+                V_RUN=geo.v_run(tiles["BLOCK_N"]), GROUP=geo.group, BLOCK_H=tiles["BLOCK_H"],
+                BLOCK_N=tiles["BLOCK_N"],
                 SPLIT=splits > 1, SW=feats.sliding_window,
                 ALIBI=feats.alibi, SINKS=feats.sinks, TABLE_PTR=feats.table_ptr, **numeric_constexprs(numerics),
                 num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
