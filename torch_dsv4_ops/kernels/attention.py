@@ -163,6 +163,7 @@ def _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
 
 @triton.jit
 def _visible(qp, kp, key_ok, row_ok, CAUSAL: tl.constexpr, SW: tl.constexpr):
+    """[M, N] mask: row valid, key valid, causal (kp <= qp) and inside the window (qp - kp < SW)."""
     vis = row_ok[:, None] & key_ok[None, :]
     if CAUSAL:
         vis = vis & (kp[None, :] <= qp[:, None])
@@ -238,7 +239,9 @@ def prefill_kernel(
     h = kvh * GROUP + hl
     tok = q0 + m
     row_ok = (m < qlen) & (m < max_input_len) & (hl < GROUP) & (tok >= 0) & (tok < T)
-    qp = ctx + m
+    # positions in int32: a query position below -1 sees what -1 sees (no cached key when causal; every
+    # key inside a window), and ALiBi needs causal, so clamping changes no result; masked rows may clamp
+    qp = tl.minimum(tl.maximum(ctx + m, -1), 2147483647).to(tl.int32)
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + (tok * q_s0 + h * q_s1)[:, None] + d[None, :] * q_s2, mask=row_ok[:, None] & (d < D)[None, :],
                 other=0).to(DOT_DTYPE)
@@ -302,11 +305,11 @@ def prefill_kernel(
                          mask=(d < D)[:, None] & key_ok[None, :], other=0).to(DOT_DTYPE)
             v = tl.load(v_ptr + ((q0 + j) * v_s0 + kvh * v_s1)[:, None] + d[None, :] * v_s2,
                         mask=key_ok[:, None] & (d < D)[None, :], other=0).to(DOT_DTYPE)
-            kp = ctx + j
+            # dense key j has position ctx + j and row m position ctx + m: compare j with m (no int64)
             s = _scores(q, kt, DOT_F32) * scale
             if ALIBI:
-                s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
-            vis = _visible(qp, kp, key_ok, row_ok, CAUSAL, SW)
+                s += slope[:, None] * (j[None, :] - m[:, None]).to(tl.float32)
+            vis = _visible(m, j, key_ok, row_ok, CAUSAL, SW)
             m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, 1.0, DOT_F32, False)
 
     _store_out(o_ptr, tok * o_s0, h, d, row_ok, acc, l_i, o_scale_ptr, o_s1, o_s2, D, O_KIND, O_FP8, O_SW)
@@ -344,7 +347,7 @@ def decode_kernel(
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + q0 * q_s0 + (h * q_s1)[:, None] + d[None, :] * q_s2, mask=row_ok[:, None] & (d < D)[None, :],
                 other=0).to(DOT_DTYPE)
-    qp = tl.zeros((BLOCK_H,), tl.int64) + (seq - 1)
+    qp = tl.zeros((BLOCK_H,), tl.int32) + tl.maximum(seq - 1, -1).to(tl.int32)   # seq <= INT32_MAX
     scale = sm_scale * 1.4426950408889634
     if KV_FP8 != 0:
         scale = scale * tl.load(k_scale_ptr)
