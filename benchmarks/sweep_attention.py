@@ -1,4 +1,5 @@
-"""Tile sweep of the attention kernels on a GPU: `python -m benchmarks.sweep_attention [--decode-only]`.
+"""Tile sweep of the attention kernels on a GPU: `python -m benchmarks.sweep_attention [--decode-only |
+--prefill-only]`.
 
 Times the benchmark's decode and mixed-step cases (benchmarks/bench_attention.py) under each tile
 setting of `kernels/attention.py` (patched in place of `decode_tiles` / `prefill_tiles`) and prints
@@ -51,7 +52,7 @@ def main() -> int:
             batches[s.name] = (s, example_batch(s.query_lens(), s.seq_lens(), hq=bench.HQ, hkv=bench.HKV,
                                                 dim=bench.D, bs=bench.BS, fp8=s.fp8, seed=1, device=device))
     original_decode = kernels.decode_tiles
-    for block_n, warps, stages, per_sm in DECODE_CONFIGS:
+    for block_n, warps, stages, per_sm in () if "--prefill-only" in sys.argv else DECODE_CONFIGS:
         def tiles(geo, q_dtype, target, block_n=block_n, warps=warps, stages=stages):
             return dict(original_decode(geo, q_dtype, target), BLOCK_N=block_n, num_warps=warps, num_stages=stages)
         kernels.decode_tiles = tiles
@@ -75,7 +76,7 @@ def main() -> int:
         print(f"mixed step, prefill and decode on two streams={concurrent}: {us:.1f} us", flush=True)
     ops.CONCURRENT.enabled = True
 
-    for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
+    for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
         def tiles(geo, q_dtype, target, block_m=block_m, block_n=block_n, warps=warps, stages=stages):
             heads = min(triton_next_pow2(geo.group), block_m)
             return dict(HEADS=heads, BLOCK_Q=block_m // heads, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
