@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine: `bash scripts/gpu_suite.sh` from the repo root, with $OUT set.
-# Writes: $OUT/env.txt, $OUT/gpu_tests.log, $OUT/gpu_tests_attention*.log, $OUT/bench.log, $OUT/memcheck.log, $OUT/selfcheck.txt,
-# $OUT/bench/bench_<family>.{json,png} for every family, $OUT/bench/probe_launch.txt.
+# Writes: $OUT/env.txt, $OUT/gpu_tests.log, $OUT/gpu_tests_attention*.log, $OUT/bench.log, $OUT/memcheck.log,
+# $OUT/selfcheck.txt, $OUT/bench/bench_<family>.{json,png} for every family, $OUT/bench/probe_launch.txt.
 # Runs the benchmarks even when tests fail; exits with pytest's status.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
