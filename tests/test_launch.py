@@ -157,6 +157,25 @@ def test_interpreter_launchers_are_public_only():
     assert launcher.direct is False
 
 
+def test_int_values_select_the_compiled_kernel_only_through_their_specialisation():
+    """Binds that differ in a per-step int share a specialisation (one compiled kernel, no JIT per new
+    value); an int that Triton specialises differently (== 1, divisible by 16, past int32) does not."""
+    from torch_dsv4_ops import platform
+    from torch_dsv4_ops.kernels import k_cache
+
+    meta = _launch.launch_options(k_cache.insert_constexprs(64, False, platform.Target("cuda", 90)))
+    launcher = k_cache.INSERT_LAUNCHER
+    dtypes = (torch.bfloat16, torch.uint8, torch.int64)
+
+    def spec(tokens):
+        return launcher.bind((1,), dtypes, (tokens, 512, 1, 128, 37440), meta, torch.device("cpu")).spec
+
+    assert spec(3) == spec(5) == spec(1001)
+    assert spec(16) == spec(4096)
+    assert len({spec(3), spec(16), spec(1), spec(2**31 + 3)}) == 4
+    assert _launch.int_specialisation(2.5) == _launch.int_specialisation(0.25)
+
+
 def test_launch_options_select_the_compiled_kernel():
     """Two binds that differ only in num_warps (or another launch option) are distinct
     specialisations: a direct launch must not reuse the kernel compiled for the other."""

@@ -66,6 +66,22 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def int_specialisation(value) -> tuple:
+    """What Triton's JIT compiles a non-constexpr scalar argument as: an int equal to 1 becomes a
+    constant, other ints are i32, i64 or u64 with a divisible-by-16 flag; floats are fp32. Two values
+    with the same result run the same compiled kernel (`kernels/matrix.py::specialise` mirrors this)."""
+    if isinstance(value, bool):
+        return ("i1", value)
+    if isinstance(value, int):
+        if value == 1:
+            return ("constexpr", 1)
+        width = "i32" if -2**31 <= value < 2**31 else "u64" if value >= 2**63 else "i64"
+        return (width, value % 16 == 0)
+    if isinstance(value, float):
+        return ("fp32",)
+    return ("value", value)
+
+
 def launch_options(meta: dict) -> dict:
     """meta plus the Triton launch options it implies: programmatic dependent launch with PDL."""
     return dict(meta, launch_pdl=True) if meta.get("PDL") else meta
@@ -108,7 +124,10 @@ class FastLauncher:
         constexpr_values = tuple(meta[n] for n in self.constexpr_names)
         # num_warps, num_stages and launch options select a compiled kernel too
         options = tuple(sorted((k, v) for k, v in meta.items() if k not in self.constexpr_names))
-        spec = self._ids.setdefault((dtypes, ints, constexpr_values, options), len(self._ids))
+        # ints select it only through Triton's specialisation of them, so binds that differ in a
+        # per-step int (a token count, a query length) share one compiled kernel
+        key = (dtypes, tuple(int_specialisation(v) for v in ints), constexpr_values, options)
+        spec = self._ids.setdefault(key, len(self._ids))
         return Launch(self, grid, dtypes, ints, constexpr_values, meta, device, spec)
 
     def cache_size(self) -> int:

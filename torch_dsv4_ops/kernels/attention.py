@@ -201,6 +201,27 @@ def _init_rows(sinks_ptr, h, row_ok, BLOCK_M: tl.constexpr, SINKS: tl.constexpr)
     return m_i, l_i
 
 
+@triton.jit
+def _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, in_range, scale, slope, p_scale,
+                table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr, vc_ptr, kvh, d,
+                kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2,
+                D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
+                TABLE_PTR: tl.constexpr, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, SW: tl.constexpr, ALIBI: tl.constexpr,
+                P_SCALED: tl.constexpr):
+    """One tile of cached keys kp (those in_range): their blocks, K and V, the scores (times `scale`, plus
+    ALiBi), the mask, and the online-softmax update of (m_i, l_i, acc)."""
+    blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, in_range, t_s1, W, num_blocks, cache_base, page_bytes,
+                             TABLE_PTR)
+    kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0,
+                        vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, KV_FP8, KV_SW, DOT_DTYPE)
+    s = _scores(q, kt, DOT_F32) * scale
+    if ALIBI:
+        s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
+    vis = _visible(qp, kp, key_ok, row_ok, CAUSAL, SW)
+    return _softmax_step(s, vis, v, m_i, l_i, acc, p_scale, DOT_F32, P_SCALED)
+
+
 # --- prefill -------------------------------------------------------------------------------------------
 @triton.jit
 def prefill_kernel(
@@ -251,6 +272,7 @@ def prefill_kernel(
     if KV_FP8 != 0:
         cache_scale = scale * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
+    slope = 0.0
     if ALIBI:
         slope = tl.load(alibi_ptr + h, mask=row_ok, other=0) * 1.4426950408889634
     m_i, l_i = _init_rows(sinks_ptr, h, row_ok, BLOCK_M, SINKS)
@@ -276,17 +298,10 @@ def prefill_kernel(
     lo = tl.minimum(lo, hi).to(tl.int32)
     for it in range(lo // BLOCK_N, tl.cdiv(hi, BLOCK_N)):
         kp = it * BLOCK_N + n
-        in_range = kp < hi
-        blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, in_range, t_s1, W, num_blocks, cache_base,
-                                 page_bytes, TABLE_PTR)
-        kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
-                            kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                            KV_FP8, KV_SW, DOT_DTYPE)
-        s = _scores(q, kt, DOT_F32) * cache_scale
-        if ALIBI:
-            s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
-        vis = _visible(qp, kp, key_ok, row_ok, CAUSAL, SW)
-        m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, v_scale, DOT_F32, KV_FP8 != 0)
+        m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < hi, cache_scale, slope, v_scale,
+                                    table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr, vc_ptr,
+                                    kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
+                                    TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW, ALIBI, KV_FP8 != 0)
 
     if not KV_CACHE:
         # dense new keys j (position ctx + j, token q0 + j); rows outside [0, T) are masked
@@ -351,6 +366,7 @@ def decode_kernel(
     scale = sm_scale * 1.4426950408889634
     if KV_FP8 != 0:
         scale = scale * tl.load(k_scale_ptr)
+    slope = 0.0
     if ALIBI:
         slope = tl.load(alibi_ptr + h, mask=row_ok, other=0) * 1.4426950408889634
     if not SPLIT:
@@ -376,16 +392,10 @@ def decode_kernel(
     n = tl.arange(0, BLOCK_N)
     for it in range(t_lo, t_hi):
         kp = it * BLOCK_N + n
-        blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base,
-                                 page_bytes, TABLE_PTR)
-        kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
-                            kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                            KV_FP8, KV_SW, DOT_DTYPE)
-        s = _scores(q, kt, DOT_F32) * scale
-        if ALIBI:
-            s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
-        vis = _visible(qp, kp, key_ok, row_ok, False, SW)
-        m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, 1.0, DOT_F32, False)
+        m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < s_hi, scale, slope, 1.0,
+                                    table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr, vc_ptr,
+                                    kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
+                                    TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, False, SW, ALIBI, False)
     if KV_FP8 != 0:   # every V of this sum has the one scale
         acc = acc * tl.load(v_scale_ptr)
 

@@ -13,6 +13,7 @@ import math
 import os
 
 import torch
+import triton
 
 from .. import layout, platform
 from ..kernels import attention as kernels
@@ -222,6 +223,17 @@ def _context_plan(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_l
                            2 if skip_decode else 1, _dtypes(q, o, k_cache, b_loc, numerics))
 
 
+def _max_seq_key(max_seq_len, table, v_cache):
+    """max_seq_len as plan signatures hold it. It grows every step, so a valid int is rounded up to a
+    power of two (the split-count hint uses the same bucket): a new plan only when the bucket changes.
+    Anything else (None, a bad value, a table too narrow for it) is kept as given, so that such a call
+    plans, and validates, for itself."""
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1 \
+            or table.dim() != 2 or v_cache.dim() != 4 or table.shape[1] * v_cache.shape[3] < max_seq_len:
+        return max_seq_len
+    return triton.next_power_of_2(max_seq_len)
+
+
 def _optional(t, fallback):
     return t if t is not None else fallback
 
@@ -232,7 +244,7 @@ def _context_kernel(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start
     args = (q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, max_seq_len, max_input_len,
             k_scale, v_scale, alibi_slopes, sliding_window, sm_scale, skip_decode, fp8_out_scale, sinks,
             is_block_table_ptr, causal)
-    sig = signature("context", args)
+    sig = signature("context", args[:10] + (_max_seq_key(max_seq_len, b_loc, v_cache),) + args[11:])
     if is_block_table_ptr:
         sig += (k_cache.data_ptr(),)
     launch = _CONTEXT_PLANS.get(sig, MISSING)
@@ -289,8 +301,8 @@ def _chunked_plan(query, key, value, output, kv_cache_dtype, key_cache, value_ca
     if checked.tokens == 0 or checked.requests == 0 or max_query_len < 1:   # rows >= max_query_len: none
         return ChunkedPlan(prefill, None, None, 0)
     max_keys = block_table.shape[1] * geo.bs
-    if isinstance(max_seq_len, int):
-        max_keys = min(max_keys, max_seq_len)
+    if isinstance(max_seq_len, int) and max_seq_len > 0:   # the hint as _max_seq_key buckets it
+        max_keys = min(max_keys, triton.next_power_of_2(max_seq_len))
     if feats.sliding_window:
         max_keys = min(max_keys, feats.sliding_window)
     tiles = kernels.decode_tiles(geo, query.dtype, target)
@@ -318,7 +330,8 @@ def _chunked_kernel(query, key, value, output, kv_cache_dtype, key_cache, value_
             max_seq_len, max_query_len, k_scale, v_scale, alibi_slopes, sliding_window, sm_scale, output_scale, sinks,
             is_block_table_ptr, causal)
     forced = DECODE_SPLITS.forced
-    sig = signature("chunked", args) + (forced,)
+    sig = signature("chunked", args[:10] + (_max_seq_key(max_seq_len, block_table, value_cache),) + args[11:]) \
+        + (forced,)
     if is_block_table_ptr:
         sig += (key_cache.data_ptr(),)
     plan = _CHUNKED_PLANS.get(sig, MISSING)
