@@ -29,7 +29,6 @@ CPU_MIXED = dict(prefills=1, new=8, cached=16, decodes=2, decode_ctx=24)
 DECODE_TARGET_PCT = {False: 85.0, True: 75.0}          # of the read ceiling, bf16 / fp8 caches
 SPLIT_TARGET_PCT = {False: 65.0, True: 75.0}           # 1 request x 32768 (split across the GPU)
 MIXED_TARGET_FACTOR = 2.0
-READ_BYTES = 2 * harness.GiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,29 +124,9 @@ def _check(args, s: Spec) -> str:
     return "ok" if worst <= tol else f"MISMATCH: max error {worst:.3g} (tolerance {tol})"
 
 
-def _read_us(device) -> float:
-    buf = torch.empty(READ_BYTES // 4, dtype=torch.float32, device=device).uniform_()
-    return harness.time_do_bench(lambda: buf.sum(), rep_ms=200)
-
-
-def _matmul_us(device) -> float:
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    return harness.time_do_bench(lambda: a @ b, rep_ms=200)
-
-
 def extras(device, quick: bool) -> dict:
     """Read ceiling and bf16 matmul rate, measured now (the floors of this family's targets)."""
-    if device.type != "cuda":
-        return {}
-    us = _read_us(device)
-    harness.free_memory(device)
-    mm_us = _matmul_us(device)
-    harness.free_memory(device)
-    return {"read_ceiling": {"bytes": READ_BYTES, "us": harness.sig(us), "gbps": harness.sig(READ_BYTES / us / 1e3),
-                             "method": "torch.sum over a 2 GiB fp32 buffer, do_bench median"},
-            "matmul_ceiling": {"tflops": harness.sig(2 * 8192 ** 3 / mm_us / 1e6),
-                               "method": "8192^3 bf16 torch.matmul, do_bench median"}}
+    return harness.read_matmul_ceilings(device)
 
 
 def _specs(quick: bool, device) -> list[Spec]:
@@ -182,14 +161,10 @@ def targets(doc: dict) -> dict:
                 "pass": None if pct is None else pct >= goal}
     s = Spec(**MIXED)
     c = by_name.get(s.name, {})
-    if c.get("us") and read and tflops:
-        byte_floor = s.bytes_per_call() / read / 1e3
-        flop_floor = s.flops() / tflops / 1e6
-        c.update(byte_floor_us=harness.sig(byte_floor), flop_floor_us=harness.sig(flop_floor),
-                 x_of_floor=harness.sig(c["us"] / max(byte_floor, flop_floor)))
+    if harness.add_floors(c, s.bytes_per_call(), s.flops(), read, tflops):
         out["mixed_step_x_of_floor"] = {
-            "target": f"<= {MIXED_TARGET_FACTOR:g} x max(byte floor {byte_floor:.1f} us, "
-                      f"FLOP floor {flop_floor:.1f} us)",
+            "target": f"<= {MIXED_TARGET_FACTOR:g} x max(byte floor {c['byte_floor_us']:.1f} us, "
+                      f"FLOP floor {c['flop_floor_us']:.1f} us)",
             "value": c["x_of_floor"], "pass": c["x_of_floor"] <= MIXED_TARGET_FACTOR}
     else:
         out["mixed_step_x_of_floor"] = {"target": f"<= {MIXED_TARGET_FACTOR:g} x the larger floor", "value": None,

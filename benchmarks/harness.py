@@ -223,6 +223,47 @@ def _time_copy(n: int, device: torch.device) -> tuple[float, str]:
     return us, f"dst.copy_(src) of {n // MiB} MiB, wall clock (CPU)"
 
 
+READ_BYTES = 2 * GiB          # size of the read-ceiling buffer
+MATMUL_N = 8192               # the matmul ceiling: N^3 bf16
+
+
+def read_matmul_ceilings(device: torch.device) -> dict:
+    """Read bandwidth (`torch.sum` over a 2 GiB fp32 buffer) and bf16 matmul throughput (8192^3
+    torch.matmul), measured now on a GPU (the floors of the attention families); {} on the CPU."""
+    if device.type != "cuda":
+        return {}
+    read_us = _time_read(device)
+    free_memory(device)
+    mm_us = _time_matmul(device)
+    free_memory(device)
+    return {"read_ceiling": {"bytes": READ_BYTES, "us": sig(read_us), "gbps": sig(READ_BYTES / read_us / 1e3),
+                             "method": "torch.sum over a 2 GiB fp32 buffer, do_bench median"},
+            "matmul_ceiling": {"tflops": sig(2 * MATMUL_N ** 3 / mm_us / 1e6),
+                               "method": f"{MATMUL_N}^3 bf16 torch.matmul, do_bench median"}}
+
+
+def add_floors(case: dict, nbytes: int, flops: int, read_gbps: float | None, tflops: float | None) -> bool:
+    """Add byte_floor_us (nbytes / read ceiling), flop_floor_us (flops / matmul rate) and x_of_floor (time
+    over the larger floor) to a timed case's dict; False (nothing added) without a time or the ceilings."""
+    if not (case.get("us") and read_gbps and tflops):
+        return False
+    byte_floor, flop_floor = nbytes / read_gbps / 1e3, flops / tflops / 1e6
+    case.update(byte_floor_us=sig(byte_floor), flop_floor_us=sig(flop_floor),
+                x_of_floor=sig(case["us"] / max(byte_floor, flop_floor)))
+    return True
+
+
+def _time_read(device: torch.device) -> float:
+    buf = torch.empty(READ_BYTES // 4, dtype=torch.float32, device=device).uniform_()
+    return time_do_bench(lambda: buf.sum(), rep_ms=200)
+
+
+def _time_matmul(device: torch.device) -> float:
+    a = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16)
+    b = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16)
+    return time_do_bench(lambda: a @ b, rep_ms=200)
+
+
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":

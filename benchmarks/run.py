@@ -21,6 +21,7 @@ FAMILIES = {
     "sparse_index": "benchmarks.bench_sparse_index",
     "metadata": "benchmarks.bench_metadata",
     "attention": "benchmarks.bench_attention",
+    "sparse_mla": "benchmarks.bench_sparse_mla",
 }
 
 

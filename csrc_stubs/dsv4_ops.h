@@ -326,6 +326,78 @@ inline void fill_short_context_topk_indices(
   return op.call(topk_indices, positions, topk, compress_ratio);
 }
 
+// dsv4::flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, Tensor? attn_sink=None, Tensor? topk_length=None) -> (Tensor, Tensor, Tensor)
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_mla_sparse_fwd(
+    const at::Tensor& q,
+    const at::Tensor& kv,
+    const at::Tensor& indices,
+    double sm_scale,
+    const std::optional<at::Tensor>& attn_sink /* = None */,
+    const std::optional<at::Tensor>& topk_length /* = None */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::flash_mla_sparse_fwd", "")
+      .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+  return op.call(q, kv, indices, sm_scale, attn_sink, topk_length);
+}
+
+// dsv4::flash_mla_sparse_fwd_out(Tensor q, Tensor kv, Tensor indices, float sm_scale, Tensor(a!) out, Tensor(b!) max_logits, Tensor(c!) lse, Tensor? attn_sink=None, Tensor? topk_length=None) -> ()
+inline void flash_mla_sparse_fwd_out(
+    const at::Tensor& q,
+    const at::Tensor& kv,
+    const at::Tensor& indices,
+    double sm_scale,
+    at::Tensor& out,
+    at::Tensor& max_logits,
+    at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_sink /* = None */,
+    const std::optional<at::Tensor>& topk_length /* = None */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::flash_mla_sparse_fwd_out", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, at::Tensor&, at::Tensor&, at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+  return op.call(q, kv, indices, sm_scale, out, max_logits, lse, attn_sink, topk_length);
+}
+
+// dsv4::flash_mla_with_kvcache(Tensor q, Tensor k_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, Tensor? extra_indices, Tensor? extra_topk_length, float softmax_scale, bool use_fnuz=False, bool extra_use_fnuz=False) -> (Tensor, Tensor)
+inline std::tuple<at::Tensor, at::Tensor> flash_mla_with_kvcache(
+    const at::Tensor& q,
+    const at::Tensor& k_cache,
+    const at::Tensor& indices,
+    const std::optional<at::Tensor>& topk_length,
+    const std::optional<at::Tensor>& attn_sink,
+    const std::optional<at::Tensor>& extra_k_cache,
+    const std::optional<at::Tensor>& extra_indices,
+    const std::optional<at::Tensor>& extra_topk_length,
+    double softmax_scale,
+    bool use_fnuz /* = False */,
+    bool extra_use_fnuz /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::flash_mla_with_kvcache", "")
+      .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double, bool, bool)>();
+  return op.call(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length, softmax_scale, use_fnuz, extra_use_fnuz);
+}
+
+// dsv4::flash_mla_with_kvcache_out(Tensor q, Tensor k_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, Tensor? extra_indices, Tensor? extra_topk_length, float softmax_scale, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) workspace, bool use_fnuz=False, bool extra_use_fnuz=False) -> ()
+inline void flash_mla_with_kvcache_out(
+    const at::Tensor& q,
+    const at::Tensor& k_cache,
+    const at::Tensor& indices,
+    const std::optional<at::Tensor>& topk_length,
+    const std::optional<at::Tensor>& attn_sink,
+    const std::optional<at::Tensor>& extra_k_cache,
+    const std::optional<at::Tensor>& extra_indices,
+    const std::optional<at::Tensor>& extra_topk_length,
+    double softmax_scale,
+    at::Tensor& out,
+    at::Tensor& lse,
+    at::Tensor& workspace,
+    bool use_fnuz /* = False */,
+    bool extra_use_fnuz /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::flash_mla_with_kvcache_out", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double, at::Tensor&, at::Tensor&, at::Tensor&, bool, bool)>();
+  return op.call(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length, softmax_scale, out, lse, workspace, use_fnuz, extra_use_fnuz);
+}
+
 // dsv4::get_compressed_slot_mapping(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio) -> Tensor
 inline at::Tensor get_compressed_slot_mapping(
     c10::SymInt num_tokens,

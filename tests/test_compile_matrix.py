@@ -93,7 +93,7 @@ def _hw_conversions(result) -> set[tuple[str, str]]:
 def _expected_hw(result) -> set[tuple[str, str]]:
     """The hardware fp8 conversions a result must contain: none where the software codec (SW*) or
     no fp8 at all is used; k_cache insert encodes and gather decodes its format FMT; attention decodes
-    its fp8 cache and encodes an fp8 output."""
+    its fp8 cache and encodes an fp8 output; sparse MLA decodes each fp8_ds_mla cache it reads."""
     c = result["constexprs"]
     out = set()
     if result["module"] == "torch_dsv4_ops.kernels.k_cache":
@@ -105,6 +105,11 @@ def _expected_hw(result) -> set[tuple[str, str]]:
             out.add(("decode", FAMILY[c["KV_FP8"]]))
         if c.get("O_KIND") == 2 and not c["O_SW"]:
             out.add(("encode", FAMILY[c["O_FP8"]]))
+        return out
+    if result["module"] == "torch_dsv4_ops.kernels.sparse_mla":   # the main and extra caches' codes decoded
+        for fmt, sw, used in ((c.get("FMT"), c.get("SW"), True), (c.get("X_FMT"), c.get("X_SW"), c.get("EXTRA"))):
+            if fmt and used and not sw:
+                out.add(("decode", FAMILY[fmt]))
         return out
     if result["module"] != CACHE_MODULE:
         return out
@@ -153,8 +158,9 @@ def test_software_codec_exactly_where_platform_is_not_native(matrix, target):
     for r in _by_target(matrix)[target]:
         c = r["constexprs"]
         if r["module"] != CACHE_MODULE:
-            if "FMT" in c:   # k_cache: the one fp8 format of the op
-                assert c["SW"] == (FMT[c["FMT"]].name not in EXPECTED_NATIVE[target]), r["name"]
+            for fmt, sw in (("FMT", "SW"), ("X_FMT", "X_SW")):   # k_cache, sparse_mla: each cache's format
+                if c.get(fmt):
+                    assert c[sw] == (FMT[c[fmt]].name not in EXPECTED_NATIVE[target]), r["name"]
             if r["ok"]:
                 assert _hw_conversions(r) == _expected_hw(r), (r["name"], r["fp8_instructions"])
             continue

@@ -41,6 +41,12 @@ from .ops.metadata import (
     prepare_uniform_decode,
     prepare_varlen_decode,
 )
+from .ops.sparse_mla import (
+    flash_mla_sparse_fwd,
+    flash_mla_with_kvcache,
+    get_mla_metadata,
+    sparse_mla_workspace_size,
+)
 from .metadata import (
     BatchDescription,
     DeepseekSparseSWAMetadata,
@@ -71,6 +77,7 @@ __all__ = [
     "compute_prefill_gather_lens", "prepare_uniform_decode", "prepare_varlen_decode", "fill_prefill_chunk_metadata",
     "prepare_token_metadata", "prepare_swa_decode", "prepare_native_decode",
     "context_attention_fwd", "chunked_prefill_paged_decode",
+    "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata", "sparse_mla_workspace_size",
     "split_decodes_and_prefills", "split_indexer_prefill_chunks", "get_prefill_chunk_plan",
     "get_dspark_swa_index_width", "get_max_prefill_buffer_size", "build_prefill_chunk_metadata",
     "BatchDescription", "DeepseekSparseSWAMetadata", "DeepSeekV32IndexerDecodeMetadata", "DeepseekV32IndexerMetadata",

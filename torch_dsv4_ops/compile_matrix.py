@@ -42,6 +42,7 @@ MATRIX_MODULES = (
     "torch_dsv4_ops.kernels.sparse_index",
     "torch_dsv4_ops.kernels.metadata",
     "torch_dsv4_ops.kernels.attention",
+    "torch_dsv4_ops.kernels.sparse_mla",
 )
 
 _FP8_INSTRUCTION = {

@@ -57,6 +57,17 @@ def ds_mla_scale_offset(block_size: int, offset: int) -> int:
     return block_size * TOKEN_DATA_BYTES + offset * SCALE_BYTES
 
 
+# --- Sparse MLA attention (SPEC §3.8) ------------------------------------------------------------
+MLA_SOFTMAX_SCALE = HEAD_DIM ** -0.5       # default softmax scale of the sparse MLA ops
+DS_MLA_CACHE_ALIGN = 8                     # page stride and data pointer: aligned vector loads of scales and RoPE
+
+
+def ds_mla_block_size_of_pages(page_bytes: int) -> int:
+    """bs of a 2-D [num_blocks, page_bytes] fp8_ds_mla cache: page_bytes // 584, exact for unpadded pages
+    and for the engine's round_up(bs*584, 576) padding (less than 584 bytes)."""
+    return page_bytes // TOKEN_BYTES
+
+
 # --- Indexer K cache (SPEC §2.2) ---------------------------------------------------------------
 INDEXER_DIM = 128
 INDEXER_SCALE_BYTES = 4

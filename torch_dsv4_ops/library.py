@@ -42,6 +42,7 @@ class OpCard:
     op: torch._ops.OpOverload = None  # torch.ops.dsv4.<name>.default
     mutated: tuple[int, ...] = ()     # positions of the arguments the schema marks (a!)
     approximate: bool = False         # float results agree with the reference within tolerance, not bitwise
+    scratch: tuple[int, ...] = ()     # positions of mutated arguments whose contents are unspecified (workspaces)
 
 
 OPS: dict[str, OpCard] = {}
@@ -169,7 +170,7 @@ def call({params}):
 
 
 def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Callable,
-                examples: Callable | None = None, approximate: bool = False) -> Callable:
+                examples: Callable | None = None, approximate: bool = False, scratch: tuple[str, ...] = ()) -> Callable:
     """Define `dsv4::<schema>`, register its three implementations and return what the public
     Python wrapper calls (`torch.ops.dsv4.<name>.default`, with the eager fast path of
     `_public_caller`).
@@ -178,7 +179,8 @@ def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Cal
     and return what the schema says; `fake` validates and allocates with `new_empty` only.
     `examples()` returns {label: argument tuple on CPU} of realistic inputs for the self-check.
     `approximate`: the kernel's float results match the reference within the per-dtype tolerance
-    (attention: a different summation order), not bit for bit.
+    (attention: a different summation order), not bit for bit. `scratch`: names of mutated arguments
+    the op may leave in any state (workspaces); the self-check does not compare them.
     """
     name = schema.split("(", 1)[0]
     if name in OPS:
@@ -205,5 +207,10 @@ def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Cal
     _LIB.impl(name, _with_version_bump(cpu_impl, schema), "CPU")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
-    OPS[name] = OpCard(name, schema, reference, kernel, fake, examples, op, mutated_positions(schema), approximate)
+    names = [a.name for a in parsed.arguments]
+    unknown = [n for n in scratch if n not in names or names.index(n) not in mutated_positions(schema)]
+    if unknown:
+        raise ValueError(f"dsv4::{name}: scratch arguments {unknown} are not mutated arguments of the schema")
+    OPS[name] = OpCard(name, schema, reference, kernel, fake, examples, op, mutated_positions(schema), approximate,
+                       tuple(names.index(n) for n in scratch))
     return _public_caller(op, kernel, schema)

@@ -1,0 +1,371 @@
+"""Triton kernels for sparse MLA attention (SPEC §2.1, §3.8): decode over fp8_ds_mla caches and
+prefill over a bf16 workspace, one kernel for both.
+
+`sparse_mla_kernel`, program (t, hb, s): query row t (= (b, j) of B x s_q, or a prefill token), the
+BLOCK_H heads of head block hb, split s of the row's selected index positions. The heads are the M
+dimension of both dots, so every selected row is loaded and dequantised once per (row, head block)
+(once per row for Hq <= MAX_BLOCK_H). Each step takes BLOCK_N positions of the concatenated list
+[main indices[:len] | extra indices[:len_extra]], loads the valid rows as one [BLOCK_N, 512] tile
+(NoPE codes times their UE8M0 scale, RoPE bf16 bits; exact, §2.1) and runs an online softmax in base 2.
+A row whose index is invalid is not loaded. Unsplit, the program writes out/lse (and max_logits);
+split, it writes (max, sum, unnormalised output) partials that `combine_kernel` merges, adding the sink.
+
+The sink never enters the running max: out = acc / (l + 2^(z - m)), so z = +inf gives 0, z = NaN gives
+NaN, and an empty set (l = 0) gives out 0, lse +inf, max_logits -inf.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import layout, platform
+from ..reference.k_cache import fp8_format
+from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
+from .attention import _softmax_step, multiprocessors
+from .fp8 import bf16_bits_rne, fp8_decode
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+SOURCE_FP8, SOURCE_BF16 = 0, 1     # constexpr SOURCE: paged fp8_ds_mla caches (decode), bf16 rows (prefill)
+MAX_BLOCK_H = 64                   # heads per program (the acc tile [64, 512] fp32 fills the registers)
+MIN_BLOCK_H = 16                   # a dot's smallest M
+MAX_SPLITS = 32
+PROGRAMS_PER_SM = 1               # one 8-warp program fills an SM's registers (acc [64, 512] fp32)
+MIN_TILES_PER_SPLIT = 1
+
+
+@triton.jit
+def _fp8_rows(cache_ptr, slot, ok, page_stride, BS: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr,
+              BLOCK_N: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, QB: tl.constexpr,
+              DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+    """fp32 [BLOCK_N, D] rows of slots `slot` (int64, valid where ok) of an fp8_ds_mla cache, dequantised
+    exactly (codes x 2^(byte - 127) for dims < NOPE, RoPE bf16 bits above); zeros where not ok. The tile
+    is built as [BLOCK_N, D/QB, QB] so that each quant block's scale is computed once and broadcast."""
+    NQB: tl.constexpr = D // QB
+    s = tl.where(ok, slot, 0)
+    blk = s // BS
+    off = s % BS
+    page = blk * page_stride
+    data = page + off * DATA_BYTES                                        # [N] byte offsets (int64)
+    qb = tl.arange(0, NQB)
+    col = qb[:, None] * QB + tl.arange(0, QB)[None, :]                    # [NQB, QB] dims
+    nope = qb < NOPE // QB
+    ok3 = ok[:, None, None]
+    codes = tl.load(cache_ptr + data[:, None, None] + col[None, :, :], mask=ok3 & nope[None, :, None], other=0)
+    # RoPE bf16 bits of dims >= NOPE (the masked lanes' addresses are never accessed)
+    rope_ptr = (cache_ptr + data + NOPE).to(tl.pointer_type(tl.int16))
+    rope = tl.load(rope_ptr[:, None, None] + (col - NOPE)[None, :, :], mask=ok3 & (qb >= NOPE // QB)[None, :, None],
+                   other=0)
+    sbytes = tl.load(cache_ptr + (page + BS * DATA_BYTES + off * SCALE_BYTES)[:, None] + qb[None, :],
+                     mask=ok[:, None] & nope[None, :], other=0).to(tl.int32)
+    # 2^(byte - 127) from its bits; byte 0 is the subnormal 2^-127
+    scale = tl.where(sbytes == 0, 1 << 22, sbytes << 23).to(tl.float32, bitcast=True)
+    nope_val = fp8_decode(codes, FMT, SW) * scale[:, :, None]
+    rope_val = (rope.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    val = tl.where(nope[None, :, None], nope_val, rope_val)
+    return tl.reshape(val, (BLOCK_N, D))
+
+
+@triton.jit
+def _step(q, m_i, l_i, acc, idx_row, i_s2, pos, n_sel, num_rows, src_ptr, page_stride, d, scale,
+          SOURCE: tl.constexpr, BS: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr, BLOCK_N: tl.constexpr,
+          D: tl.constexpr, NOPE: tl.constexpr, QB: tl.constexpr, DATA_BYTES: tl.constexpr,
+          SCALE_BYTES: tl.constexpr, DOT_F32: tl.constexpr):
+    """Positions `pos` of one index list (n_sel of them selected): load the valid rows and update the
+    online softmax (m_i, l_i, acc) of the head rows q."""
+    in_len = pos < n_sel
+    slot = tl.load(idx_row + pos * i_s2, mask=in_len, other=-1).to(tl.int64)
+    ok = in_len & (slot >= 0) & (slot < num_rows)
+    if SOURCE == 0:
+        kv = _fp8_rows(src_ptr, slot, ok, page_stride, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES, SCALE_BYTES)
+    else:
+        kv = tl.load(src_ptr + (tl.where(ok, slot, 0) * page_stride)[:, None] + d[None, :], mask=ok[:, None],
+                     other=0)
+    if DOT_F32:
+        kv = kv.to(tl.float32)
+        s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+    else:
+        kv = kv.to(tl.bfloat16)
+        s = tl.dot(q, tl.trans(kv))
+    return _softmax_step(s * scale, ok[None, :], kv, m_i, l_i, acc, 1.0, DOT_F32, False)
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, sink_ptr, h, head_ok, SINKS: tl.constexpr):
+    """(out rows, lse, max_logits) of finished running state (base-2 max m_i, sum l_i), the sink added."""
+    denom = l_i
+    if SINKS:
+        z = tl.load(sink_ptr + h, mask=head_ok, other=float("-inf")) * 1.4426950408889634
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        denom = l_i + tl.exp2(z - m_safe)
+    empty = l_i == 0
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, denom)[:, None])
+    lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    mx = m_i * 0.6931471805599453
+    return out, lse, mx
+
+
+@triton.jit
+def _store_rows(o_ptr, o_off, d, head_ok, out, O_BITS: tl.constexpr):
+    """out [H, D] fp32 as bf16 at element offsets o_off [H, 1] (+ d)."""
+    ptrs = o_ptr + o_off + d[None, :]
+    if O_BITS:   # the interpreter's fp32 -> bf16 truncates: round in software
+        tl.store(ptrs.to(tl.pointer_type(tl.int16)), bf16_bits_rne(out), mask=head_ok[:, None])
+    else:
+        tl.store(ptrs, out.to(tl.bfloat16), mask=head_ok[:, None])
+
+
+@triton.jit
+def sparse_mla_kernel(
+    q_ptr, src_ptr, idx_ptr, len_ptr, x_src_ptr, x_idx_ptr, x_len_ptr, sink_ptr, o_ptr, lse_ptr, max_ptr, part_ptr,
+    s_q, Hq, sm_scale, width, x_width, num_rows, x_num_rows, page_stride, x_page_stride, ml_base,
+    q_s0, q_s1, q_s2, i_s0, i_s1, i_s2, x_s0, x_s1, x_s2, len_s, x_len_s, o_s0, o_s1, o_s2,
+    lse_s0, lse_s1, lse_s2, max_s0, max_s1,
+    SOURCE: tl.constexpr, BS: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr,
+    EXTRA: tl.constexpr, X_BS: tl.constexpr, X_FMT: tl.constexpr, X_SW: tl.constexpr,
+    HAS_LEN: tl.constexpr, HAS_X_LEN: tl.constexpr, SINKS: tl.constexpr, SPLIT: tl.constexpr,
+    WRITE_MAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
+    QB: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, DOT_F32: tl.constexpr,
+    O_BITS: tl.constexpr,
+):
+    """Program (t, hb, s); see the module docstring. Strides are in elements of each tensor (bytes for
+    caches: page_stride; rows for the bf16 source: page_stride is its row stride)."""
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    splits = tl.num_programs(2)
+    b = t // s_q
+    j = t % s_q
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = h < Hq
+    d = tl.arange(0, D)
+    q_row = q_ptr + b * q_s0 + j * q_s1
+    q = tl.load(q_row + h[:, None] * q_s2 + d[None, :], mask=head_ok[:, None], other=0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    scale = sm_scale * 1.4426950408889634
+
+    n_main = width
+    if HAS_LEN:
+        n_main = tl.minimum(tl.maximum(tl.load(len_ptr + b * len_s), 0), width)
+    tiles_main = tl.cdiv(n_main, BLOCK_N)
+    tiles = tiles_main
+    n_x = 0
+    if EXTRA:
+        n_x = x_width
+        if HAS_X_LEN:
+            n_x = tl.minimum(tl.maximum(tl.load(x_len_ptr + b * x_len_s), 0), x_width)
+        tiles += tl.cdiv(n_x, BLOCK_N)
+    per_split = tl.cdiv(tiles, splits)
+    t_lo = split * per_split
+    t_hi = tl.minimum(t_lo + per_split, tiles)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    idx_row = idx_ptr + b * i_s0 + j * i_s1
+    for it in range(t_lo, tl.minimum(t_hi, tiles_main)):
+        m_i, l_i, acc = _step(q, m_i, l_i, acc, idx_row, i_s2, it * BLOCK_N + n, n_main, num_rows, src_ptr,
+                              page_stride, d, scale, SOURCE, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES, SCALE_BYTES,
+                              DOT_F32)
+    if EXTRA:
+        x_row = x_idx_ptr + b * x_s0 + j * x_s1
+        for it in range(tl.maximum(t_lo, tiles_main), t_hi):
+            m_i, l_i, acc = _step(q, m_i, l_i, acc, x_row, x_s2, (it - tiles_main) * BLOCK_N + n, n_x, x_num_rows,
+                                  x_src_ptr, x_page_stride, d, scale, SOURCE, X_BS, X_FMT, X_SW, BLOCK_N, D, NOPE, QB,
+                                  DATA_BYTES, SCALE_BYTES, DOT_F32)
+
+    if SPLIT:
+        # partials of (t, h, split): acc at ((t*Hq + h)*splits + split)*D, (max, sum) at ml_base + 2*that row
+        prow = (t * Hq + h) * splits + split
+        tl.store(part_ptr + prow[:, None] * D + d[None, :], acc, mask=head_ok[:, None])
+        tl.store(part_ptr + ml_base + 2 * prow, m_i, mask=head_ok)
+        tl.store(part_ptr + ml_base + 2 * prow + 1, l_i, mask=head_ok)
+    else:
+        out, lse, mx = _finish(acc, m_i, l_i, sink_ptr, h, head_ok, SINKS)
+        _store_rows(o_ptr, b * o_s0 + j * o_s1 + h[:, None] * o_s2, d, head_ok, out, O_BITS)
+        tl.store(lse_ptr + b * lse_s0 + h * lse_s1 + j * lse_s2, lse, mask=head_ok)
+        if WRITE_MAX:
+            tl.store(max_ptr + t * max_s0 + h * max_s1, mx, mask=head_ok)
+
+
+@triton.jit
+def combine_kernel(
+    sink_ptr, o_ptr, lse_ptr, part_ptr, s_q, Hq, splits, ml_base, o_s0, o_s1, o_s2, lse_s0, lse_s1, lse_s2,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr, O_BITS: tl.constexpr,
+):
+    """Program (t, hb): merge the `splits` (<= BLOCK_S) partials of row t for BLOCK_H heads exactly, add the
+    sink, write out and lse."""
+    t = tl.program_id(0).to(tl.int64)
+    b = t // s_q
+    j = t % s_q
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = h < Hq
+    sp = tl.arange(0, BLOCK_S)
+    ok = head_ok[:, None] & (sp < splits)[None, :]
+    prow = (t * Hq + h)[:, None] * splits + sp[None, :]                  # [H, S]
+    m_s = tl.load(part_ptr + ml_base + 2 * prow, mask=ok, other=float("-inf"))
+    l_s = tl.load(part_ptr + ml_base + 2 * prow + 1, mask=ok, other=0.0)
+    m = tl.max(m_s, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_s - m_safe[:, None])
+    l_i = tl.sum(l_s * w, 1)
+    d = tl.arange(0, D)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    for s in range(0, splits):
+        w_s = tl.sum(tl.where(sp[None, :] == s, w, 0.0), 1)
+        a = tl.load(part_ptr + ((t * Hq + h) * splits + s)[:, None] * D + d[None, :], mask=head_ok[:, None],
+                    other=0.0)
+        acc += a * w_s[:, None]
+    out, lse, _ = _finish(acc, m, l_i, sink_ptr, h, head_ok, SINKS)
+    _store_rows(o_ptr, b * o_s0 + j * o_s1 + h[:, None] * o_s2, d, head_ok, out, O_BITS)
+    tl.store(lse_ptr + b * lse_s0 + h * lse_s1 + j * lse_s2, lse, mask=head_ok)
+
+
+SPARSE_LAUNCHER = FastLauncher(sparse_mla_kernel)
+COMBINE_LAUNCHER = FastLauncher(combine_kernel)
+
+
+# --- host-side planning ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One source of rows: a paged fp8_ds_mla cache (block size, fp8 flavour) or bf16 rows (bs 0)."""
+
+    bs: int = 0
+    fnuz: bool = False
+
+
+def block_h(hq: int) -> int:
+    """Heads per program: Hq padded to a power of two, at least MIN_BLOCK_H, at most MAX_BLOCK_H."""
+    return min(MAX_BLOCK_H, max(MIN_BLOCK_H, triton.next_power_of_2(max(hq, 1))))
+
+
+def head_blocks(hq: int) -> int:
+    return layout.cdiv(max(hq, 1), block_h(hq))
+
+
+def tiles(target: platform.Target, prefill: bool) -> dict:
+    """BLOCK_N rows per step, warps and stages."""
+    if target.backend == "interpreter":
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    # H100 sweep (benchmarks/NOTES.md, "Sparse MLA"): 64 x 8 warps beat 32/16 rows, 4/16 warps and 3 stages
+    return dict(BLOCK_N=64, num_warps=8, num_stages=2)
+
+
+def max_splits(rows: int, hq: int, multiprocessor_count: int) -> int:
+    """The most parts a decode row's selection is split into, from shapes and the SM count only: enough
+    programs for PROGRAMS_PER_SM per multiprocessor, at most MAX_SPLITS."""
+    programs = max(rows * head_blocks(hq), 1)
+    return max(1, min(layout.cdiv(PROGRAMS_PER_SM * multiprocessor_count, programs), MAX_SPLITS))
+
+
+def decode_splits(rows: int, hq: int, positions: int, block_n: int, multiprocessor_count: int) -> int:
+    """Splits of a decode call: `max_splits`, and at least MIN_TILES_PER_SPLIT tiles of the `positions`
+    (main + extra index columns) per split."""
+    per = layout.cdiv(max(positions, 1), block_n * MIN_TILES_PER_SPLIT)
+    return max(1, min(max_splits(rows, hq, multiprocessor_count), per))
+
+
+def workspace_elements(rows: int, hq: int, splits: int) -> tuple[int, int]:
+    """(fp32 elements of the split partials, the offset of the (max, sum) pairs): acc rows of D, then pairs."""
+    n = rows * hq * splits
+    return n * (layout.HEAD_DIM + 2), n * layout.HEAD_DIM
+
+
+def device_multiprocessors(device: torch.device) -> int:
+    """SMs (CUs) of a GPU device (its current index when none is given); the interpreter's 4 on the CPU."""
+    if device.type != "cuda":
+        return multiprocessors(None)
+    return multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def constexprs(target: platform.Target, main: Source, extra: Source | None, has_len: bool, has_x_len: bool,
+               sinks: bool, split: bool, hq: int, prefill: bool) -> dict:
+    """Constexprs (with num_warps/num_stages) of `sparse_mla_kernel`."""
+    interpret = target.backend == "interpreter"
+    tile = tiles(target, prefill)
+
+    def codec(src: Source) -> tuple[int, bool]:
+        fmt = fp8_format(src.fnuz)
+        return fmt.code, not platform.native_fp8(target, fmt)
+
+    fmt, sw = codec(main) if main.bs else (0, False)
+    x = extra or Source(main.bs, main.fnuz)
+    x_fmt, x_sw = codec(x) if x.bs else (0, False)
+    return dict(SOURCE=SOURCE_BF16 if prefill else SOURCE_FP8, BS=main.bs or 1, FMT=fmt, SW=sw,
+                EXTRA=extra is not None, X_BS=x.bs or 1, X_FMT=x_fmt, X_SW=x_sw, HAS_LEN=has_len,
+                HAS_X_LEN=has_x_len and extra is not None, SINKS=sinks, SPLIT=split, WRITE_MAX=prefill,
+                BLOCK_H=block_h(hq), BLOCK_N=tile["BLOCK_N"], D=layout.HEAD_DIM, NOPE=layout.NOPE_DIM,
+                QB=layout.QUANT_BLOCK, DATA_BYTES=layout.TOKEN_DATA_BYTES, SCALE_BYTES=layout.SCALE_BYTES,
+                DOT_F32=interpret, O_BITS=interpret, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+
+
+def combine_constexprs(target: platform.Target, hq: int, sinks: bool) -> dict:
+    bh = min(block_h(hq), 16)
+    return dict(BLOCK_H=bh, BLOCK_S=MAX_SPLITS, D=layout.HEAD_DIM, SINKS=sinks,
+                O_BITS=target.backend == "interpreter", num_warps=4)
+
+
+# --- compile matrix ---------------------------------------------------------------------------------------
+def matrix_launch(target: platform.Target, name: str, hq: int, main: Source, extra: Source | None = None,
+                  has_len: bool = True, sinks: bool = True, split: bool = False, prefill: bool = False):
+    """What ops/sparse_mla.py passes to sparse_mla_kernel for one call (B 4, s_q 1, contiguous tensors)."""
+    from .matrix import Ptr
+
+    meta = launch_options(constexprs(target, main, extra, has_len, has_len, sinks, split, hq, prefill))
+    rows, width, x_width, nb = 4, 640 if not extra else 128, 512, 16
+    d = layout.HEAD_DIM
+    src = Ptr(torch.bfloat16) if prefill else Ptr(torch.uint8)
+    tensors = (Ptr(torch.bfloat16), src, Ptr(torch.int32), Ptr(torch.int32), src, Ptr(torch.int32),
+               Ptr(torch.int32), Ptr(torch.float32), Ptr(torch.bfloat16), Ptr(torch.float32), Ptr(torch.float32),
+               Ptr(torch.float32))
+    page = d if prefill else layout.ds_mla_block_stride(main.bs)
+    x_page = layout.ds_mla_block_stride(extra.bs) if extra else page
+    _, ml_base = workspace_elements(rows, hq, 4)
+    ints = (1, hq, layout.MLA_SOFTMAX_SCALE, width, x_width if extra else width, nb * max(main.bs, 1),
+            nb * (extra.bs if extra else max(main.bs, 1)), page, x_page, ml_base,
+            hq * d, hq * d, d, width, width, 1, x_width, x_width, 1, 1, 1, hq * d, hq * d, d, hq, 1, hq, hq, 1)
+    return name, tensors, ints, meta
+
+
+def matrix_launch_combine(target: platform.Target, name: str, hq: int, sinks: bool):
+    from .matrix import Ptr
+
+    meta = launch_options(combine_constexprs(target, hq, sinks))
+    tensors = (Ptr(torch.float32), Ptr(torch.bfloat16), Ptr(torch.float32), Ptr(torch.float32))
+    d = layout.HEAD_DIM
+    _, ml_base = workspace_elements(4, hq, 4)
+    return name, tensors, (1, hq, 4, ml_base, hq * d, hq * d, d, hq, 1, hq), meta
+
+
+def matrix_cases(target: platform.Target) -> list:
+    """Specialisations of the sparse MLA kernels on `target`: decode SWA-only (bs 64), C4A (extra bs 64),
+    C128A (extra bs 2), FNUZ and mixed flavours, with/without lengths and sinks, split and unsplit; 64,
+    128 and 16 heads; prefill over bf16 rows; the combine kernel."""
+    from .matrix import dedupe, kernel_case
+
+    def case(fn, launch):
+        name, tensors, ints, meta = launch
+        meta = {k: v for k, v in meta.items() if k not in ("launch_pdl", "num_stages")}
+        return kernel_case(target, f"sparse_mla.{name}", fn, tensors, ints, meta)
+
+    swa, swa_fnuz, c128 = Source(64), Source(64, True), Source(2)
+    launches = [
+        matrix_launch(target, "decode.swa.h64", 64, swa, has_len=False, sinks=False),
+        matrix_launch(target, "decode.c4a.h64.split", 64, swa, Source(64), split=True),
+        matrix_launch(target, "decode.c4a.h64", 64, swa, Source(64)),
+        matrix_launch(target, "decode.c128a.h128.fnuz", 128, swa_fnuz, c128),
+        matrix_launch(target, "decode.c4a.h16.mixed.split", 16, swa, Source(64, True), split=True),
+        matrix_launch(target, "prefill.h64", 64, Source(), prefill=True),
+        matrix_launch(target, "prefill.h128.nolen.nosink", 128, Source(), has_len=False, sinks=False,
+                      prefill=True),
+    ]
+    cases = [case(sparse_mla_kernel, launch) for launch in launches]
+    cases += [case(combine_kernel, matrix_launch_combine(target, f"combine.h{hq}", hq, sinks))
+              for hq, sinks in ((64, True), (16, False))]
+    return dedupe(cases)
