@@ -41,8 +41,8 @@ MIN_TILES_PER_SPLIT = 1
 @triton.jit
 def _fp8_rows(cache_ptr, slot, ok, page_stride, BS: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr,
               BLOCK_N: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, QB: tl.constexpr,
-              DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """fp32 [BLOCK_N, D] rows of slots `slot` (int64, valid where ok) of an fp8_ds_mla cache, dequantised
+              DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """[BLOCK_N, D] rows (DOT_DTYPE: exact, every value is a bf16) of slots `slot` (int64, valid where ok) of an fp8_ds_mla cache, dequantised
     exactly (codes x 2^(byte - 127) for dims < NOPE, RoPE bf16 bits above); zeros where not ok. The tile
     is built as [BLOCK_N, D/QB, QB] so that each quant block's scale is computed once and broadcast."""
     NQB: tl.constexpr = D // QB
@@ -56,17 +56,17 @@ def _fp8_rows(cache_ptr, slot, ok, page_stride, BS: tl.constexpr, FMT: tl.conste
     nope = qb < NOPE // QB
     ok3 = ok[:, None, None]
     codes = tl.load(cache_ptr + data[:, None, None] + col[None, :, :], mask=ok3 & nope[None, :, None], other=0)
-    # RoPE bf16 bits of dims >= NOPE (the masked lanes' addresses are never accessed)
+    # RoPE bf16 bits: one quant block wide, broadcast into the last block of the tile
+    tl.static_assert(D - NOPE == QB)
     rope_ptr = (cache_ptr + data + NOPE).to(tl.pointer_type(tl.int16))
-    rope = tl.load(rope_ptr[:, None, None] + (col - NOPE)[None, :, :], mask=ok3 & (qb >= NOPE // QB)[None, :, None],
-                   other=0)
+    rope = tl.load(rope_ptr[:, None] + tl.arange(0, QB)[None, :], mask=ok[:, None], other=0)
     sbytes = tl.load(cache_ptr + (page + BS * DATA_BYTES + off * SCALE_BYTES)[:, None] + qb[None, :],
                      mask=ok[:, None] & nope[None, :], other=0).to(tl.int32)
     # 2^(byte - 127) from its bits; byte 0 is the subnormal 2^-127
     scale = tl.where(sbytes == 0, 1 << 22, sbytes << 23).to(tl.float32, bitcast=True)
     nope_val = fp8_decode(codes, FMT, SW) * scale[:, :, None]
     rope_val = (rope.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    val = tl.where(nope[None, :, None], nope_val, rope_val)
+    val = tl.where(nope[None, :, None], nope_val, rope_val[:, None, :]).to(DOT_DTYPE)
     return tl.reshape(val, (BLOCK_N, D))
 
 
@@ -80,16 +80,16 @@ def _step(q, m_i, l_i, acc, idx_row, i_s2, pos, n_sel, num_rows, src_ptr, page_s
     in_len = pos < n_sel
     slot = tl.load(idx_row + pos * i_s2, mask=in_len, other=-1).to(tl.int64)
     ok = in_len & (slot >= 0) & (slot < num_rows)
+    DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
     if SOURCE == 0:
-        kv = _fp8_rows(src_ptr, slot, ok, page_stride, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES, SCALE_BYTES)
+        kv = _fp8_rows(src_ptr, slot, ok, page_stride, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES, SCALE_BYTES,
+                       DOT_DTYPE)
     else:
         kv = tl.load(src_ptr + (tl.where(ok, slot, 0) * page_stride)[:, None] + d[None, :], mask=ok[:, None],
-                     other=0)
+                     other=0).to(DOT_DTYPE)
     if DOT_F32:
-        kv = kv.to(tl.float32)
         s = tl.dot(q, tl.trans(kv), input_precision="ieee")
     else:
-        kv = kv.to(tl.bfloat16)
         s = tl.dot(q, tl.trans(kv))
     return _softmax_step(s * scale, ok[None, :], kv, m_i, l_i, acc, 1.0, DOT_F32, False)
 
@@ -197,32 +197,28 @@ def sparse_mla_kernel(
 @triton.jit
 def combine_kernel(
     sink_ptr, o_ptr, lse_ptr, part_ptr, s_q, Hq, splits, ml_base, o_s0, o_s1, o_s2, lse_s0, lse_s1, lse_s2,
-    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr, O_BITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr, O_BITS: tl.constexpr,
 ):
-    """Program (t, hb): merge the `splits` (<= BLOCK_S) partials of row t for BLOCK_H heads exactly, add the
-    sink, write out and lse."""
+    """Program (t, h): merge the `splits` (<= BLOCK_S) partials of row t, head h exactly (one [BLOCK_S, D]
+    tile), add the sink, write out and lse."""
     t = tl.program_id(0).to(tl.int64)
     b = t // s_q
     j = t % s_q
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h = tl.program_id(1) + tl.zeros((1,), tl.int32)
     head_ok = h < Hq
     sp = tl.arange(0, BLOCK_S)
-    ok = head_ok[:, None] & (sp < splits)[None, :]
-    prow = (t * Hq + h)[:, None] * splits + sp[None, :]                  # [H, S]
+    ok = sp < splits
+    prow = (t * Hq + h) * splits + sp                                     # [S]
     m_s = tl.load(part_ptr + ml_base + 2 * prow, mask=ok, other=float("-inf"))
     l_s = tl.load(part_ptr + ml_base + 2 * prow + 1, mask=ok, other=0.0)
-    m = tl.max(m_s, 1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(m_s - m_safe[:, None])
-    l_i = tl.sum(l_s * w, 1)
     d = tl.arange(0, D)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
-    for s in range(0, splits):
-        w_s = tl.sum(tl.where(sp[None, :] == s, w, 0.0), 1)
-        a = tl.load(part_ptr + ((t * Hq + h) * splits + s)[:, None] * D + d[None, :], mask=head_ok[:, None],
-                    other=0.0)
-        acc += a * w_s[:, None]
-    out, lse, _ = _finish(acc, m, l_i, sink_ptr, h, head_ok, SINKS)
+    a = tl.load(part_ptr + prow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    m = tl.max(m_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_s - m_safe)
+    l_i = tl.sum(l_s * w, 0) + tl.zeros((1,), tl.float32)
+    acc = tl.sum(a * w[:, None], 0)[None, :]
+    out, lse, _ = _finish(acc, m + tl.zeros((1,), tl.float32), l_i, sink_ptr, h, head_ok, SINKS)
     _store_rows(o_ptr, b * o_s0 + j * o_s1 + h[:, None] * o_s2, d, head_ok, out, O_BITS)
     tl.store(lse_ptr + b * lse_s0 + h * lse_s1 + j * lse_s2, lse, mask=head_ok)
 
@@ -258,10 +254,11 @@ def tiles(target: platform.Target, prefill: bool) -> dict:
 
 
 def max_splits(rows: int, hq: int, multiprocessor_count: int) -> int:
-    """The most parts a decode row's selection is split into, from shapes and the SM count only: enough
-    programs for PROGRAMS_PER_SM per multiprocessor, at most MAX_SPLITS."""
+    """The most parts a decode row's selection is split into, from shapes and the SM count only: as many
+    as keep the programs within one wave of PROGRAMS_PER_SM per multiprocessor (a partial second wave
+    would double the time of the first), at least 1, at most MAX_SPLITS."""
     programs = max(rows * head_blocks(hq), 1)
-    return max(1, min(layout.cdiv(PROGRAMS_PER_SM * multiprocessor_count, programs), MAX_SPLITS))
+    return max(1, min(PROGRAMS_PER_SM * multiprocessor_count // programs, MAX_SPLITS))
 
 
 def decode_splits(rows: int, hq: int, positions: int, block_n: int, multiprocessor_count: int) -> int:
@@ -305,10 +302,11 @@ def constexprs(target: platform.Target, main: Source, extra: Source | None, has_
                 DOT_F32=interpret, O_BITS=interpret, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
 
 
-def combine_constexprs(target: platform.Target, hq: int, sinks: bool) -> dict:
-    bh = min(block_h(hq), 16)
-    return dict(BLOCK_H=bh, BLOCK_S=MAX_SPLITS, D=layout.HEAD_DIM, SINKS=sinks,
-                O_BITS=target.backend == "interpreter", num_warps=4)
+def combine_constexprs(target: platform.Target, sinks: bool, splits: int) -> dict:
+    """The combine tile holds the call's split count padded to a power of two (a function of shapes)."""
+    block_s = triton.next_power_of_2(splits)
+    return dict(BLOCK_S=block_s, D=layout.HEAD_DIM, SINKS=sinks, O_BITS=target.backend == "interpreter",
+                num_warps=4 if block_s <= 8 else 8)
 
 
 # --- compile matrix ---------------------------------------------------------------------------------------
@@ -333,14 +331,14 @@ def matrix_launch(target: platform.Target, name: str, hq: int, main: Source, ext
     return name, tensors, ints, meta
 
 
-def matrix_launch_combine(target: platform.Target, name: str, hq: int, sinks: bool):
+def matrix_launch_combine(target: platform.Target, name: str, hq: int, sinks: bool, splits: int = 4):
     from .matrix import Ptr
 
-    meta = launch_options(combine_constexprs(target, hq, sinks))
+    meta = launch_options(combine_constexprs(target, sinks, splits))
     tensors = (Ptr(torch.float32), Ptr(torch.bfloat16), Ptr(torch.float32), Ptr(torch.float32))
     d = layout.HEAD_DIM
     _, ml_base = workspace_elements(4, hq, 4)
-    return name, tensors, (1, hq, 4, ml_base, hq * d, hq * d, d, hq, 1, hq), meta
+    return name, tensors, (1, hq, splits, ml_base, hq * d, hq * d, d, hq, 1, hq), meta
 
 
 def matrix_cases(target: platform.Target) -> list:
@@ -366,6 +364,6 @@ def matrix_cases(target: platform.Target) -> list:
                       prefill=True),
     ]
     cases = [case(sparse_mla_kernel, launch) for launch in launches]
-    cases += [case(combine_kernel, matrix_launch_combine(target, f"combine.h{hq}", hq, sinks))
-              for hq, sinks in ((64, True), (16, False))]
+    cases += [case(combine_kernel, matrix_launch_combine(target, f"combine.h{hq}.s{splits}", hq, sinks, splits))
+              for hq, sinks, splits in ((64, True, 4), (16, False, 32), (128, True, 2))]
     return dedupe(cases)

@@ -59,10 +59,20 @@ def check_ds_mla_cache(name: str, cache, device) -> CacheInfo:
     if stride < page:
         raise ValueError(f"{name}.stride(0) = {stride} bytes is smaller than a page of block_size {bs}: "
                          f"{bs}*{layout.TOKEN_BYTES} = {page}")
-    if stride % layout.DS_MLA_CACHE_ALIGN or cache.data_ptr() % layout.DS_MLA_CACHE_ALIGN:
-        raise ValueError(f"{name}: the page stride ({stride} bytes) and the data pointer must be multiples of "
-                         f"{layout.DS_MLA_CACHE_ALIGN} bytes")
+    if stride % layout.DS_MLA_CACHE_ALIGN:
+        raise ValueError(f"{name}: the page stride ({stride} bytes) must be a multiple of {layout.DS_MLA_CACHE_ALIGN} "
+                         f"bytes")
     return CacheInfo(nb, bs, stride)
+
+
+def check_pointers(k_cache, extra_k_cache, workspace=None) -> None:
+    """Data-pointer alignment of real tensors (the kernel and the reference check it; fakes have no data):
+    caches at multiples of 8 bytes, the workspace at 16."""
+    for name, t in (("k_cache", k_cache), ("extra_k_cache", extra_k_cache)):
+        if t is not None and t.data_ptr() % layout.DS_MLA_CACHE_ALIGN:
+            raise ValueError(f"{name}: the data pointer must be a multiple of {layout.DS_MLA_CACHE_ALIGN} bytes")
+    if workspace is not None and workspace.data_ptr() % 16:
+        raise ValueError("workspace must have a 16-byte aligned data pointer")
 
 
 def _check_lengths(name: str, t, rows: int, device) -> None:
@@ -137,7 +147,9 @@ def check_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     return Decode(batch, s_q, hq, main, extra)
 
 
-def check_decode_out(checked: Decode, q, out, lse, workspace, needed_elements: int) -> None:
+def check_decode_out(checked: Decode, q, out, lse, workspace, needed_elements: int | None) -> None:
+    """The output buffers of the _out form; `needed_elements` (fp32) of the call's split plan, None: not known
+    (the reference and the fake, which do not plan)."""
     check_tensor("out", out, ndim=4, dtypes=(torch.bfloat16,), device=q.device)
     if tuple(out.shape) != tuple(q.shape) or out.stride(3) != 1:
         raise ValueError(f"out must be [B, s_q, Hq, {layout.HEAD_DIM}] = {tuple(q.shape)} with a contiguous last "
@@ -147,8 +159,10 @@ def check_decode_out(checked: Decode, q, out, lse, workspace, needed_elements: i
         raise ValueError(f"lse must be [B, Hq, s_q] = {(checked.batch, checked.hq, checked.s_q)}, got "
                          f"{tuple(lse.shape)}")
     check_tensor("workspace", workspace, device=q.device)
-    if not workspace.is_contiguous() or workspace.data_ptr() % 16:
-        raise ValueError("workspace must be contiguous with a 16-byte aligned data pointer")
+    if not workspace.is_contiguous():
+        raise ValueError("workspace must be contiguous")
+    if needed_elements is None:
+        return
     have = workspace.numel() * workspace.element_size()
     if have < 4 * needed_elements:
         raise ValueError(f"workspace holds {have} bytes; this call needs {4 * needed_elements} "
@@ -262,6 +276,7 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
         elements = 0
     if workspace is not None:
         check_decode_out(checked, q, out, lse, workspace, elements)
+    check_pointers(k_cache, extra_k_cache, workspace)
     if checked.rows == 0 or checked.hq == 0:
         return DecodePlan(None, None, 0)
     x_src = kernels.Source(extra.bs, extra_use_fnuz) if extra is not None else None
@@ -282,9 +297,9 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
                                           meta, device)
     if splits == 1:
         return DecodePlan(launch, None, 0)
-    cmeta = kernels.launch_options(kernels.combine_constexprs(target, checked.hq, attn_sink is not None))
+    cmeta = kernels.launch_options(kernels.combine_constexprs(target, attn_sink is not None, splits))
     combine = kernels.COMBINE_LAUNCHER.bind(
-        (checked.rows, layout.cdiv(checked.hq, cmeta["BLOCK_H"])),
+        (checked.rows, checked.hq),
         (torch.float32, torch.bfloat16, torch.float32, torch.float32),
         (checked.s_q, checked.hq, splits, ml_base, out.stride(0), out.stride(1), out.stride(2), *_strides3(lse)),
         cmeta, device)
@@ -339,6 +354,7 @@ def _decode_reference(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
                       softmax_scale, use_fnuz=False, extra_use_fnuz=False):
     check_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
                  softmax_scale, use_fnuz, extra_use_fnuz)
+    check_pointers(k_cache, extra_k_cache)
     return reference.flash_mla_with_kvcache(q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
                                             extra_indices, extra_topk_length, softmax_scale, use_fnuz,
                                             extra_use_fnuz)
@@ -356,7 +372,7 @@ def _decode_out_check(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     """Validation without a split plan (the reference and the fake): the workspace's size is not checked."""
     checked = check_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
                            extra_topk_length, softmax_scale, use_fnuz, extra_use_fnuz)
-    check_decode_out(checked, q, out, lse, workspace, 0)
+    check_decode_out(checked, q, out, lse, workspace, None)
 
 
 def _decode_out_kernel(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
@@ -370,6 +386,7 @@ def _decode_out_reference(q, k_cache, indices, topk_length, attn_sink, extra_k_c
                           extra_use_fnuz=False):
     _decode_out_check(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
                       softmax_scale, out, lse, workspace, use_fnuz, extra_use_fnuz)
+    check_pointers(k_cache, extra_k_cache, workspace)
     o, l_ = reference.flash_mla_with_kvcache(q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
                                              extra_indices, extra_topk_length, softmax_scale, use_fnuz,
                                              extra_use_fnuz)
