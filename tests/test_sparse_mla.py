@@ -1240,8 +1240,11 @@ def test_cuda_graph_decode_replay(splits):
     """Decode with out/lse/workspace given, captured once; replayed with new q, indices, lengths and cache contents
     copied into the same buffers: equal to eager bit for bit, and eager equals the oracle."""
     cases = _graph_cases(splits is not None)
-    ctx = forced_splits(splits) if splits else contextlib.nullcontext()
-    with ctx:
+
+    def ctx():
+        return forced_splits(splits) if splits else contextlib.nullcontext()
+
+    with ctx():
         size = d.sparse_mla_workspace_size(4, 1, 16, "cuda")
 
     def buffers(c):
@@ -1256,7 +1259,7 @@ def test_cuda_graph_decode_replay(splits):
                                         out=out, lse=lse, workspace=ws)
 
     static = [t.clone() for t in buffers(cases[0])]   # the replays overwrite these, never a case's own tensors
-    with ctx:
+    with ctx():
         check_cuda_graph(step, static, [buffers(c) for c in cases[1:]])
         for c in cases:
             out, lse = run_decode(c, "kernel")

@@ -147,9 +147,9 @@ def check_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     return Decode(batch, s_q, hq, main, extra)
 
 
-def check_decode_out(checked: Decode, q, out, lse, workspace, needed_elements: int | None) -> None:
-    """The output buffers of the _out form; `needed_elements` (fp32) of the call's split plan, None: not known
-    (the reference and the fake, which do not plan)."""
+def check_decode_out(checked: Decode, q, out, lse, workspace, needed_bytes: int | None) -> None:
+    """The output buffers of the _out form; `needed_bytes` of workspace, None: not checked (the reference and the
+    fake, which do not plan)."""
     check_tensor("out", out, ndim=4, dtypes=(torch.bfloat16,), device=q.device)
     if tuple(out.shape) != tuple(q.shape) or out.stride(3) != 1:
         raise ValueError(f"out must be [B, s_q, Hq, {layout.HEAD_DIM}] = {tuple(q.shape)} with a contiguous last "
@@ -161,12 +161,12 @@ def check_decode_out(checked: Decode, q, out, lse, workspace, needed_elements: i
     check_tensor("workspace", workspace, device=q.device)
     if not workspace.is_contiguous():
         raise ValueError("workspace must be contiguous")
-    if needed_elements is None:
+    if needed_bytes is None:
         return
     have = workspace.numel() * workspace.element_size()
-    if have < 4 * needed_elements:
-        raise ValueError(f"workspace holds {have} bytes; this call needs {4 * needed_elements} "
-                         f"(sparse_mla_workspace_size gives the size for any call of this B, s_q and Hq)")
+    if have < needed_bytes or have % 4:
+        raise ValueError(f"workspace holds {have} bytes; it needs a multiple of 4 bytes, at least {needed_bytes} "
+                         f"(2 x sparse_mla_workspace_size(B={checked.batch}, s_q={checked.s_q}, Hq={checked.hq}))")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,8 +274,9 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     elements, ml_base = kernels.workspace_elements(checked.rows, checked.hq, splits)
     if splits == 1:
         elements = 0
-    if workspace is not None:
-        check_decode_out(checked, q, out, lse, workspace, elements)
+    if workspace is not None:   # the helper's size, whatever this call's split count: one rule for every call
+        needed = max(2 * sparse_mla_workspace_size(checked.batch, checked.s_q, checked.hq, device), 4 * elements)
+        check_decode_out(checked, q, out, lse, workspace, needed)
     check_pointers(k_cache, extra_k_cache, workspace)
     if checked.rows == 0 or checked.hq == 0:
         return DecodePlan(None, None, 0)
