@@ -162,6 +162,18 @@ def test_implementations_declare_schema_defaults():
     assert "missing_default_probe" not in library.OPS and not hasattr(torch.ops.dsv4, "missing_default_probe")
 
 
+def test_scratch_arguments():
+    """`scratch` names mutated arguments the self-check leaves uncompared (workspaces); naming anything else is
+    refused before the op is defined."""
+    card = library.OPS["flash_mla_with_kvcache_out"]
+    assert [card.op._schema.arguments[i].name for i in card.scratch] == ["workspace"]
+    assert set(card.scratch) < set(card.mutated)
+    with pytest.raises(ValueError, match="scratch arguments"):
+        library.register_op("scratch_probe(Tensor(a!) x, Tensor y) -> ()", reference=lambda x, y: None,
+                            kernel=lambda x, y: None, fake=lambda x, y: None, scratch=("y",))
+    assert "scratch_probe" not in library.OPS and not hasattr(torch.ops.dsv4, "scratch_probe")
+
+
 def _small_flash_args(device):
     """A small reshape_and_cache_flash call (3 tokens, 2 heads of 16): caches fresh zeros."""
     g = torch.Generator().manual_seed(0)

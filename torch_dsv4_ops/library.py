@@ -193,6 +193,10 @@ def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Cal
         for i, a in enumerate(parsed.arguments):
             if a.has_default_value() and (i >= len(params) or params[i].default is inspect.Parameter.empty):
                 raise TypeError(f"dsv4::{name}: {impl.__name__} must give argument {a.name!r} its default")
+    names = [a.name for a in parsed.arguments]
+    unknown = [n for n in scratch if n not in names or names.index(n) not in mutated_positions(schema)]
+    if unknown:
+        raise ValueError(f"dsv4::{name}: scratch arguments {unknown} are not mutated arguments of the schema")
     _LIB.define(schema)
 
     def cpu_impl(*args, **kwargs):
@@ -207,10 +211,6 @@ def register_op(schema: str, *, reference: Callable, kernel: Callable, fake: Cal
     _LIB.impl(name, _with_version_bump(cpu_impl, schema), "CPU")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
-    names = [a.name for a in parsed.arguments]
-    unknown = [n for n in scratch if n not in names or names.index(n) not in mutated_positions(schema)]
-    if unknown:
-        raise ValueError(f"dsv4::{name}: scratch arguments {unknown} are not mutated arguments of the schema")
     OPS[name] = OpCard(name, schema, reference, kernel, fake, examples, op, mutated_positions(schema), approximate,
                        tuple(names.index(n) for n in scratch))
     return _public_caller(op, kernel, schema)
