@@ -27,9 +27,6 @@ from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernel
 from .attention import _softmax_step, multiprocessors
 from .fp8 import bf16_bits_rne, fp8_decode
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
 SOURCE_FP8, SOURCE_BF16 = 0, 1     # constexpr SOURCE: paged fp8_ds_mla caches (decode), bf16 rows (prefill)
 MAX_BLOCK_H = 64                   # heads per program (the acc tile [64, 512] fp32 fills the registers)
 MIN_BLOCK_H = 16                   # a dot's smallest M
@@ -42,9 +39,10 @@ MIN_TILES_PER_SPLIT = 1
 def _fp8_rows(cache_ptr, slot, ok, page_stride, BS: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr,
               BLOCK_N: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, QB: tl.constexpr,
               DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """[BLOCK_N, D] rows (DOT_DTYPE: exact, every value is a bf16) of slots `slot` (int64, valid where ok) of an fp8_ds_mla cache, dequantised
-    exactly (codes x 2^(byte - 127) for dims < NOPE, RoPE bf16 bits above); zeros where not ok. The tile
-    is built as [BLOCK_N, D/QB, QB] so that each quant block's scale is computed once and broadcast."""
+    """[BLOCK_N, D] rows (in DOT_DTYPE) of slots `slot` (int64, valid where ok) of an fp8_ds_mla cache,
+    dequantised exactly (codes x 2^(byte - 127) for dims < NOPE, RoPE bf16 bits above; every value is a
+    bf16); zeros where not ok. The tile is built as [BLOCK_N, D/QB, QB] so that each quant block's scale is
+    computed once and broadcast."""
     NQB: tl.constexpr = D // QB
     s = tl.where(ok, slot, 0)
     blk = s // BS
@@ -171,8 +169,8 @@ def sparse_mla_kernel(
     idx_row = idx_ptr + b * i_s0 + j * i_s1
     for it in range(t_lo, tl.minimum(t_hi, tiles_main)):
         m_i, l_i, acc = _step(q, m_i, l_i, acc, idx_row, i_s2, it * BLOCK_N + n, n_main, num_rows, src_ptr,
-                              page_stride, d, scale, SOURCE, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES, SCALE_BYTES,
-                              DOT_F32)
+                              page_stride, d, scale, SOURCE, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES,
+                              SCALE_BYTES, DOT_F32)
     if EXTRA:
         x_row = x_idx_ptr + b * x_s0 + j * x_s1
         for it in range(tl.maximum(t_lo, tiles_main), t_hi):

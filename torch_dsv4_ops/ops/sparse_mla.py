@@ -16,7 +16,7 @@ from .. import layout, platform
 from ..kernels import sparse_mla as kernels
 from ..library import register_op
 from ..reference import sparse_mla as reference
-from ._checks import check_tensor
+from ._checks import check_int32_extent, check_tensor
 from ._plans import MISSING, PlanCache, signature
 
 CACHE_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)
@@ -127,6 +127,7 @@ def check_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     check_tensor("indices", indices, ndim=3, dtypes=INDEX_DTYPES, device=device)
     if tuple(indices.shape[:2]) != (batch, s_q):
         raise ValueError(f"indices must be [B={batch}, s_q={s_q}, topk], got shape {tuple(indices.shape)}")
+    check_int32_extent("indices", indices, 2)
     _check_lengths("topk_length", topk_length, batch, device)
     if (extra_k_cache is None) != (extra_indices is None):
         raise ValueError("extra_k_cache and extra_indices_in_kvcache must be given together")
@@ -137,6 +138,7 @@ def check_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
         if tuple(extra_indices.shape[:2]) != (batch, s_q):
             raise ValueError(f"extra_indices_in_kvcache must be [B={batch}, s_q={s_q}, K], got shape "
                              f"{tuple(extra_indices.shape)}")
+        check_int32_extent("extra_indices_in_kvcache", extra_indices, 2)
         _check_lengths("extra_topk_length", extra_topk_length, batch, device)
     elif extra_topk_length is not None:
         raise ValueError("extra_topk_length is given without extra_k_cache")
@@ -191,6 +193,7 @@ def check_prefill(q, kv, indices, sm_scale, attn_sink, topk_length) -> Prefill:
     check_tensor("indices", indices, ndim=3, dtypes=INDEX_DTYPES, device=device)
     if indices.shape[0] != tokens or indices.shape[1] != 1 or indices.shape[2] < 1:
         raise ValueError(f"indices must be [Tq={tokens}, 1, C >= 1], got shape {tuple(indices.shape)}")
+    check_int32_extent("indices", indices, 2)
     _check_lengths("topk_length", topk_length, tokens, device)
     _check_sink(attn_sink, hq, device)
     _check_scale("sm_scale", sm_scale)
