@@ -22,6 +22,7 @@ FAMILIES = {
     "metadata": "benchmarks.bench_metadata",
     "attention": "benchmarks.bench_attention",
     "sparse_mla": "benchmarks.bench_sparse_mla",
+    "indexer": "benchmarks.bench_indexer",
 }
 
 

@@ -275,6 +275,19 @@ inline void context_attention_fwd(
   return op.call(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, max_seq_len, max_input_len, k_scale, v_scale, alibi_slopes, sliding_window, sm_scale, skip_decode, fp8_out_scale, sinks, is_block_table_ptr, causal);
 }
 
+// dsv4::cp_gather_indexer_k_quant_cache(Tensor kv_cache, Tensor(a!) dst_k, Tensor(b!) dst_scale, Tensor block_table, Tensor cu_seq_lens) -> ()
+inline void cp_gather_indexer_k_quant_cache(
+    const at::Tensor& kv_cache,
+    at::Tensor& dst_k,
+    at::Tensor& dst_scale,
+    const at::Tensor& block_table,
+    const at::Tensor& cu_seq_lens) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::cp_gather_indexer_k_quant_cache", "")
+      .typed<void(const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return op.call(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens);
+}
+
 // dsv4::dequantize_and_gather_k_cache(Tensor(a!) out, Tensor k_cache, Tensor seq_lens, Tensor? gather_lens, Tensor block_table, int block_size, int offset, bool use_fnuz=False) -> ()
 inline void dequantize_and_gather_k_cache(
     at::Tensor& out,
@@ -425,6 +438,20 @@ inline void get_compressed_slot_mapping_out(
       .findSchemaOrThrow("dsv4::get_compressed_slot_mapping_out", "")
       .typed<void(c10::SymInt, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, at::Tensor&)>();
   return op.call(num_tokens, query_start_loc, seq_lens, block_table, block_size, compress_ratio, out);
+}
+
+// dsv4::indexer_k_quant_and_cache(Tensor k, Tensor(a!) kv_cache, Tensor slot_mapping, int quant_block_size, str scale_fmt, bool use_fnuz=False) -> ()
+inline void indexer_k_quant_and_cache(
+    const at::Tensor& k,
+    at::Tensor& kv_cache,
+    const at::Tensor& slot_mapping,
+    int64_t quant_block_size,
+    c10::string_view scale_fmt,
+    bool use_fnuz /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::indexer_k_quant_and_cache", "")
+      .typed<void(const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, c10::string_view, bool)>();
+  return op.call(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, use_fnuz);
 }
 
 // dsv4::prepare_native_decode(Tensor query_start_loc, Tensor seq_lens, Tensor(a!) decode_lens, Tensor(b!) decode_seq_lens, SymInt num_decodes, SymInt max_decode_len, int compress_ratio) -> ()

@@ -93,7 +93,8 @@ def _hw_conversions(result) -> set[tuple[str, str]]:
 def _expected_hw(result) -> set[tuple[str, str]]:
     """The hardware fp8 conversions a result must contain: none where the software codec (SW*) or
     no fp8 at all is used; k_cache insert encodes and gather decodes its format FMT; attention decodes
-    its fp8 cache and encodes an fp8 output; sparse MLA decodes each fp8_ds_mla cache it reads."""
+    its fp8 cache and encodes an fp8 output; sparse MLA decodes each fp8_ds_mla cache it reads; the indexer
+    cache insert encodes its format."""
     c = result["constexprs"]
     out = set()
     if result["module"] == "torch_dsv4_ops.kernels.k_cache":
@@ -105,6 +106,10 @@ def _expected_hw(result) -> set[tuple[str, str]]:
             out.add(("decode", FAMILY[c["KV_FP8"]]))
         if c.get("O_KIND") == 2 and not c["O_SW"]:
             out.add(("encode", FAMILY[c["O_FP8"]]))
+        return out
+    if result["module"] == "torch_dsv4_ops.kernels.indexer":   # the insert encodes its format; the gather copies
+        if result["name"].startswith("indexer_insert") and not c["SW"]:
+            out.add(("encode", FAMILY[c["FMT"]]))
         return out
     if result["module"] == "torch_dsv4_ops.kernels.sparse_mla":   # the main and extra caches' codes decoded
         for fmt, sw, used in ((c.get("FMT"), c.get("SW"), True), (c.get("X_FMT"), c.get("X_SW"), c.get("EXTRA"))):

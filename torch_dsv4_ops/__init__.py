@@ -41,6 +41,10 @@ from .ops.metadata import (
     prepare_uniform_decode,
     prepare_varlen_decode,
 )
+from .ops.indexer import (
+    cp_gather_indexer_k_quant_cache,
+    indexer_k_quant_and_cache,
+)
 from .ops.sparse_mla import (
     flash_mla_sparse_fwd,
     flash_mla_with_kvcache,
@@ -78,6 +82,7 @@ __all__ = [
     "prepare_token_metadata", "prepare_swa_decode", "prepare_native_decode",
     "context_attention_fwd", "chunked_prefill_paged_decode",
     "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata", "sparse_mla_workspace_size",
+    "indexer_k_quant_and_cache", "cp_gather_indexer_k_quant_cache",
     "split_decodes_and_prefills", "split_indexer_prefill_chunks", "get_prefill_chunk_plan",
     "get_dspark_swa_index_width", "get_max_prefill_buffer_size", "build_prefill_chunk_metadata",
     "BatchDescription", "DeepseekSparseSWAMetadata", "DeepSeekV32IndexerDecodeMetadata", "DeepseekV32IndexerMetadata",

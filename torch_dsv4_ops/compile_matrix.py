@@ -43,6 +43,7 @@ MATRIX_MODULES = (
     "torch_dsv4_ops.kernels.metadata",
     "torch_dsv4_ops.kernels.attention",
     "torch_dsv4_ops.kernels.sparse_mla",
+    "torch_dsv4_ops.kernels.indexer",
 )
 
 _FP8_INSTRUCTION = {

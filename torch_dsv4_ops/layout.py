@@ -72,6 +72,18 @@ def ds_mla_block_size_of_pages(page_bytes: int) -> int:
 INDEXER_DIM = 128
 INDEXER_SCALE_BYTES = 4
 INDEXER_TOKEN_BYTES = INDEXER_DIM + INDEXER_SCALE_BYTES   # 132
+INDEXER_QUANT_BLOCK = INDEXER_DIM                         # one UE8M0 scale per K row
+INDEXER_SCALE_FMT = "ue8m0"
+
+
+def indexer_block_bytes(block_size: int) -> int:
+    """Logical bytes of one indexer-cache page of `block_size` tokens: bs*128 fp8 values, then bs fp32 scales."""
+    return block_size * INDEXER_TOKEN_BYTES
+
+
+def indexer_scale_offset(block_size: int, offset: int) -> int:
+    """Byte offset of a token's fp32 scale inside its indexer-cache page."""
+    return block_size * INDEXER_DIM + offset * INDEXER_SCALE_BYTES
 
 
 # --- fp8 formats (SPEC §2.1, §2.3, §4 c) -------------------------------------------------------

@@ -60,6 +60,32 @@ def ue8m0_bit_rule(fmt: layout.Fp8Format) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------------
+# UE8M0 quantisation of rows (shared with the indexer cache, kernels/indexer.py)
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def ue8m0_exponents(x, E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr, FLOOR_BITS: tl.constexpr):
+    """The exact UE8M0 exponent e (int32) of each row of fp32 x [R, C], from bit patterns (|x| as int bits
+    orders like |x|): NaN is left out of the amax, the fp32 1e-4 floor applies, inf counts as the largest fp32."""
+    mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    mag = tl.where(mag > 0x7F800000, 0, mag)
+    a = tl.max(mag, axis=1)
+    a = tl.maximum(a, FLOOR_BITS)
+    a = tl.minimum(a, 0x7F7FFFFF)
+    return (a >> 23) - E_SHIFT + ((a & 0x7FFFFF) > MANT_LIMIT).to(tl.int32)
+
+
+@triton.jit
+def ue8m0_codes(x, e, FMT: tl.constexpr, SW: tl.constexpr, FP8_MAX: tl.constexpr, BIAS: tl.constexpr,
+                NAN_CODE: tl.constexpr):
+    """fp8 codes of rows x [R, C] scaled by 2**-e (exact), clamped to +-FP8_MAX; NaN as NAN_CODE, any sign."""
+    inv = ((BIAS - e) << 23).to(tl.float32, bitcast=True)               # 2**-e, a normal fp32
+    y = x * inv[:, None]
+    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))   # NaN passes through
+    codes = fp8_encode(y, FMT, SW)
+    return tl.where(y != y, NAN_CODE, codes)                            # one NaN code (docs/ops/k_cache.md §6.1)
+
+
+# ------------------------------------------------------------------------------------------------
 # quantize_and_insert_k_cache
 # ------------------------------------------------------------------------------------------------
 @triton.jit
@@ -94,18 +120,8 @@ def quantize_insert_kernel(
                 mask=((q < NQ) & live)[:, None] & (d < QB)[None, :], other=0.0).to(tl.float32)
     rope_src = k_ptr.to(tl.pointer_type(tl.uint8)) + (tt * k_stride * 2 + 2 * NOPE)[:, None] + rb[None, :]
     rope = tl.load(rope_src, mask=live_t[:, None] & (rb < ROPE_BYTES)[None, :])
-    # UE8M0 exponent per quant block, exactly, from bit patterns: |x| as int bits orders like |x|
-    mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    mag = tl.where(mag > 0x7F800000, 0, mag)                            # NaN is left out of amax
-    a = tl.max(mag, axis=1)
-    a = tl.maximum(a, FLOOR_BITS)                                       # the fp32 1e-4 floor
-    a = tl.minimum(a, 0x7F7FFFFF)                                       # inf counts as the largest fp32
-    e = (a >> 23) - E_SHIFT + ((a & 0x7FFFFF) > MANT_LIMIT).to(tl.int32)
-    inv = ((BIAS - e) << 23).to(tl.float32, bitcast=True)               # 2**-e, a normal fp32
-    y = x * inv[:, None]                                                # exact
-    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))   # NaN passes through
-    codes = fp8_encode(y, FMT, SW)
-    codes = tl.where(y != y, NAN_CODE, codes)                          # one NaN code, any sign (docs §6.1)
+    e = ue8m0_exponents(x, E_SHIFT, MANT_LIMIT, FLOOR_BITS)
+    codes = ue8m0_codes(x, e, FMT, SW, FP8_MAX, BIAS, NAN_CODE)
     byte = tl.minimum(tl.maximum(e + BIAS, 0), 255)
     byte = tl.where(q < NQ, byte, 0).to(tl.uint8)                       # byte 7 = 0
     # every negative slot and every slot past the cache: skip (tensor-only masks, for the interpreter)
