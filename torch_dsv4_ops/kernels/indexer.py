@@ -63,10 +63,13 @@ def indexer_gather_kernel(
     c0 = tl.load(cu_ptr + b * cu_s).to(tl.int64)
     n = tl.load(cu_ptr + (b + 1) * cu_s).to(tl.int64) - c0
     width = tl.where(b < bt_rows, bt_width, 0)                           # a request without a table row: no source
+    # only entries whose row lies in [0, rows): hostile cu values cost no empty iterations
+    c_first = tl.maximum(-c0, 0)
+    n = tl.minimum(n, rows - c0)
     i = tl.arange(0, ROWS)
     d = tl.arange(0, D)
     sb = tl.arange(0, SCALE_BYTES)
-    for c_lo in range(w * ROWS, n, step):
+    for c_lo in range(c_first + w * ROWS, n, step):
         c = c_lo + i
         dst = c0 + c
         live = (c < n) & (dst >= 0) & (dst < rows)

@@ -154,9 +154,10 @@ def _gather_plan(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
 
 def _gather_kernel(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
     args = (kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
-    launch = _GATHER_PLANS.get(signature("gather", args), MISSING)
+    sig = signature("gather", args)
+    launch = _GATHER_PLANS.get(sig, MISSING)
     if launch is MISSING:
-        launch = _GATHER_PLANS.remember(signature("gather", args), _gather_plan(*args))
+        launch = _GATHER_PLANS.remember(sig, _gather_plan(*args))
     if launch is not None:
         launch(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
 

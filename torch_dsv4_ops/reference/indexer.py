@@ -56,15 +56,11 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
     out_s = dst_scale.view(torch.uint8).reshape(dst_scale.shape[0], layout.INDEXER_SCALE_BYTES)
     cu = cu_seq_lens.long().tolist()
     for b in range(len(cu) - 1):
-        n = cu[b + 1] - cu[b]
-        if n <= 0:
+        first, end = max(-cu[b], 0), min(cu[b + 1] - cu[b], rows - cu[b])   # entries whose row is in [0, rows)
+        if end <= first:
             continue
-        c = torch.arange(n, dtype=torch.int64)
+        c = torch.arange(first, end, dtype=torch.int64)
         dst = cu[b] + c
-        live = (dst >= 0) & (dst < rows)
-        if not live.any():
-            continue
-        c, dst = c[live], dst[live]
         s = lookup(block_table, b, c, bs, nb) if b < block_table.shape[0] else torch.full_like(c, -1)
         ok = s >= 0
         codes = torch.zeros(c.shape[0], layout.INDEXER_DIM, dtype=torch.uint8)
