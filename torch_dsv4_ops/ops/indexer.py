@@ -85,7 +85,7 @@ def check_gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> tuple[
     rows = dst_k.shape[0]
     check_tensor("dst_scale", dst_scale, ndim=(1, 2), dtypes=(torch.uint8, torch.float32), device=device)
     if dst_scale.dtype == torch.float32:
-        if dst_scale.dim() != 1 or dst_scale.shape[0] != rows or (rows > 1 and dst_scale.stride(0) != 1):
+        if dst_scale.dim() != 1 or dst_scale.shape[0] != rows or dst_scale.stride(0) != 1:
             raise ValueError(f"dst_scale of float32 must be a contiguous [Nk = {rows}], got shape "
                              f"{tuple(dst_scale.shape)} and strides {dst_scale.stride()}")
     elif dst_scale.dim() != 2 or tuple(dst_scale.shape) != (rows, layout.INDEXER_SCALE_BYTES) \
