@@ -901,9 +901,9 @@ def test_benchmark_sized_exact(use_fnuz):
     slots = torch.randperm(nb * bs, generator=g)[:t]
     slots[::97] = -1
     base = random_bytes_(torch.empty(nb * stride, dtype=torch.uint8), g)
-    dev = base.cuda()
+    dev, k_dev, slots_dev = base.cuda(), k.cuda(), slots.cuda()   # host-to-device copies synchronise: before
     with sync_debug_error():
-        d.indexer_k_quant_and_cache(k.cuda(), cache_view(dev, 0, nb, bs, stride), slots.cuda(), 128, "ue8m0",
+        d.indexer_k_quant_and_cache(k_dev, cache_view(dev, 0, nb, bs, stride), slots_dev, 128, "ue8m0",
                                     use_fnuz=use_fnuz)
     reference.indexer_k_quant_and_cache(k, cache_view(base, 0, nb, bs, stride), slots, 128, "ue8m0", use_fnuz)
     assert_bitwise_equal(dev.cpu(), base, "insert T = 65536")
@@ -913,9 +913,9 @@ def test_benchmark_sized_exact(use_fnuz):
     cu = torch.arange(r + 1, dtype=torch.int32) * s
     dk = torch.zeros(r * s, DIM, dtype=torch.uint8)
     ds = torch.zeros(r * s)
-    dk_dev, ds_dev = dk.cuda(), ds.cuda()
+    dk_dev, ds_dev, table_dev, cu_dev = dk.cuda(), ds.cuda(), table.cuda(), cu.cuda()
     with sync_debug_error():
-        d.cp_gather_indexer_k_quant_cache(cache_view(dev, 0, nb, bs, stride), dk_dev, ds_dev, table.cuda(), cu.cuda())
+        d.cp_gather_indexer_k_quant_cache(cache_view(dev, 0, nb, bs, stride), dk_dev, ds_dev, table_dev, cu_dev)
     reference.cp_gather_indexer_k_quant_cache(cache_view(base, 0, nb, bs, stride), dk, ds, table, cu)
     assert_bitwise_equal(dk_dev.cpu(), dk, "gather 16 x 2048 codes")
     assert_bitwise_equal(ds_dev.cpu(), ds, "gather 16 x 2048 scales")

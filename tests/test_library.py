@@ -21,8 +21,17 @@ def _same_arguments_public(name: str):
     fn = getattr(d, name, None)
     if fn is None:
         return None
-    params = list(inspect.signature(fn).parameters)
-    return fn if params == [a.name for a in library.OPS[name].op._schema.arguments] else None
+    params = inspect.signature(fn).parameters
+    if list(params) != [a.name for a in library.OPS[name].op._schema.arguments]:
+        return None
+    keyword_only = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    if not keyword_only:
+        return fn
+    first = len(params) - len(keyword_only)
+
+    def call(*args):   # the op's trailing arguments that the public function takes by keyword only
+        return fn(*args[:first], **dict(zip(keyword_only, args[first:])))
+    return call
 
 
 def test_every_card_is_complete_and_exported():
