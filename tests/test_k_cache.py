@@ -75,7 +75,7 @@ def special_rows() -> torch.Tensor:
     rows = [torch.randn(layout.HEAD_DIM, generator=g) * m for m in (1e-3, 1.0, 100.0, 1e4)]
     r = torch.zeros(layout.HEAD_DIM)       # block 0: amax 448 (e = 0 OCP) with RNE midpoints
     r[:10] = torch.tensor([448.0, 1.0625, 1.1875, 17.0, 19.0, 232.0, 440.0, 2.0**-10, 3 * 2.0**-10, -1.0625])
-    r[64:70] = torch.tensor([450.0, 1.0, -3.0, 5.0, 0.5, 2.0**-9])     # block 1: 450 (449 is no bf16) gives e = 1 (§4 d)
+    r[64:70] = torch.tensor([450.0, 1.0, -3.0, 5.0, 0.5, 2.0**-9])   # block 1: 450 (449 is not a bf16): e = 1 (§4 d)
     r[128] = 224.0                          # block 2: FNUZ FP8_MAX exactly
     r[192:194] = torch.tensor([224.0 * 2**5, -17.0])
     r[256] = -448.0 * 2**-20
