@@ -18,6 +18,7 @@ import torch
 
 import torch_dsv4_ops
 from torch_dsv4_ops import layout
+from torch_dsv4_ops.reference import k_cache as k_cache_reference
 from torch_dsv4_ops.testing import TOLERANCES
 
 from . import harness
@@ -120,18 +121,15 @@ def _call_decode(q, cache, idx, sink, extra, **out):
 
 
 def dequantized_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Plain torch: bf16 rows [..., 512] of valid int64 `slots` of a [nb, 64, 584] fp8_ds_mla cache (§2.1)."""
-    pages = torch.as_strided(cache, (cache.shape[0], layout.ds_mla_block_bytes(BS)), (cache.stride(0), 1))
-    blk, off = slots // BS, slots % BS
-    data = pages[blk[..., None], off[..., None] * layout.TOKEN_DATA_BYTES
-                 + torch.arange(layout.TOKEN_DATA_BYTES, device=cache.device)]
-    scale = pages[blk[..., None], layout.ds_mla_scale_offset(BS, 0) + off[..., None] * layout.SCALE_BYTES
-                  + torch.arange(layout.NUM_QUANT_BLOCKS, device=cache.device)]
-    codes = data[..., :layout.NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
-    codes = codes.unflatten(-1, (layout.NUM_QUANT_BLOCKS, layout.QUANT_BLOCK))
-    nope = (codes * torch.exp2(scale.float() - layout.UE8M0_BIAS)[..., None]).flatten(-2)
-    rope = data[..., layout.NOPE_DIM:].contiguous().view(torch.bfloat16)
-    return torch.cat([nope.to(torch.bfloat16), rope], -1)
+    """Plain torch: bf16 rows [..., 512] of valid int64 `slots` of a [nb, 64, 584] fp8_ds_mla cache (§2.1):
+    gather each slot's bytes, then the reference's dequantisation (torch ops, on the cache's device)."""
+    pages = k_cache_reference.pages(cache, BS)
+    blk, off = slots.reshape(-1, 1) // BS, slots.reshape(-1, 1) % BS
+    data = pages[blk, off * layout.TOKEN_DATA_BYTES + torch.arange(layout.TOKEN_DATA_BYTES, device=cache.device)]
+    scale = pages[blk, layout.ds_mla_scale_offset(BS, 0) + off * layout.SCALE_BYTES
+                  + torch.arange(layout.SCALE_BYTES, device=cache.device)]
+    rows = k_cache_reference.dequantize_rows(data, scale, layout.E4M3FN)
+    return rows.reshape(*slots.shape, layout.HEAD_DIM)
 
 
 def plain_decode(q, cache, idx, sink, extra) -> torch.Tensor:

@@ -173,19 +173,25 @@ def _visible(qp, kp, key_ok, row_ok, CAUSAL: tl.constexpr, SW: tl.constexpr):
 
 
 @triton.jit
-def _store_out(o_ptr, o_rows, h, d, row_ok, acc, l_i, o_scale_ptr, o_s1, o_s2, D: tl.constexpr, O_KIND: tl.constexpr,
-               O_FP8: tl.constexpr, O_SW: tl.constexpr):
-    """acc / l (0 where no key was visible) into rows o_rows (element offsets) of heads h."""
-    out = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    ptrs = o_ptr + o_rows[:, None] + (h * o_s1)[:, None] + d[None, :] * o_s2
-    mask = row_ok[:, None] & (d < D)[None, :]
+def write_out(ptrs, out, mask, o_scale_ptr, O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr):
+    """Store fp32 `out` as the output kind: O_FP8 codes of out / scale, bf16 bits rounded in software (ptrs
+    to int16), or the pointers' own dtype."""
     if O_KIND == 2:
         inv = 1.0 / tl.load(o_scale_ptr)
         tl.store(ptrs, fp8_encode(out * inv, O_FP8, O_SW), mask=mask)
     elif O_KIND == 1:
         tl.store(ptrs, bf16_bits_rne(out), mask=mask)
     else:
-        tl.store(ptrs, out.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs, out.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_out(o_ptr, o_rows, h, d, row_ok, acc, l_i, o_scale_ptr, o_s1, o_s2, D: tl.constexpr, O_KIND: tl.constexpr,
+               O_FP8: tl.constexpr, O_SW: tl.constexpr):
+    """acc / l (0 where no key was visible) into rows o_rows (element offsets) of heads h."""
+    out = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    ptrs = o_ptr + o_rows[:, None] + (h * o_s1)[:, None] + d[None, :] * o_s2
+    write_out(ptrs, out, row_ok[:, None] & (d < D)[None, :], o_scale_ptr, O_KIND, O_FP8, O_SW)
 
 
 @triton.jit
@@ -441,15 +447,8 @@ def combine_kernel(
         l_sum += tl.sum(tl.exp2(sink - m_safe), 0)
     acc = tl.sum(acc_s * w[:, None], 0)
     out = tl.where(l_sum > 0, acc / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
-    ptrs = o_ptr + q0 * o_s0 + h * o_s1 + d * o_s2
-    mask = d < tl.where(is_decode, D, 0)
-    if O_KIND == 2:
-        inv = 1.0 / tl.load(o_scale_ptr)
-        tl.store(ptrs, fp8_encode(out * inv, O_FP8, O_SW), mask=mask)
-    elif O_KIND == 1:
-        tl.store(ptrs, bf16_bits_rne(out), mask=mask)
-    else:
-        tl.store(ptrs, out.to(o_ptr.dtype.element_ty), mask=mask)
+    write_out(o_ptr + q0 * o_s0 + h * o_s1 + d * o_s2, out, d < tl.where(is_decode, D, 0), o_scale_ptr, O_KIND,
+              O_FP8, O_SW)
 
 
 PREFILL_LAUNCHER = FastLauncher(prefill_kernel)
@@ -542,6 +541,13 @@ def large_shared_memory(target: platform.Target) -> bool:
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2
+
+
+def device_multiprocessors(device: torch.device) -> int:
+    """SMs (CUs) of a GPU device (its current index when none is given); the interpreter's 4 on the CPU."""
+    if device.type != "cuda":
+        return multiprocessors(None)
+    return multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)

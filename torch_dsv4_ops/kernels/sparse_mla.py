@@ -24,8 +24,9 @@ import triton.language as tl
 from .. import layout, platform
 from ..reference.k_cache import fp8_format
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
-from .attention import _softmax_step, multiprocessors
-from .fp8 import bf16_bits_rne, fp8_decode
+from .attention import device_multiprocessors  # noqa: F401  (ops plan splits with it)
+from .attention import _softmax_step, write_out
+from .fp8 import fp8_decode
 
 SOURCE_FP8, SOURCE_BF16 = 0, 1     # constexpr SOURCE: paged fp8_ds_mla caches (decode), bf16 rows (prefill)
 MAX_BLOCK_H = 64                   # heads per program (the acc tile [64, 512] fp32 fills the registers)
@@ -109,12 +110,13 @@ def _finish(acc, m_i, l_i, sink_ptr, h, head_ok, SINKS: tl.constexpr):
 
 @triton.jit
 def _store_rows(o_ptr, o_off, d, head_ok, out, O_BITS: tl.constexpr):
-    """out [H, D] fp32 as bf16 at element offsets o_off [H, 1] (+ d)."""
+    """out [H, D] fp32 as bf16 at element offsets o_off [H, 1] (+ d); O_BITS (the interpreter, whose fp32 ->
+    bf16 truncates): rounded in software."""
     ptrs = o_ptr + o_off + d[None, :]
-    if O_BITS:   # the interpreter's fp32 -> bf16 truncates: round in software
-        tl.store(ptrs.to(tl.pointer_type(tl.int16)), bf16_bits_rne(out), mask=head_ok[:, None])
+    if O_BITS:
+        write_out(ptrs.to(tl.pointer_type(tl.int16)), out, head_ok[:, None], o_ptr, 1, 0, False)
     else:
-        tl.store(ptrs, out.to(tl.bfloat16), mask=head_ok[:, None])
+        write_out(ptrs, out, head_ok[:, None], o_ptr, 0, 0, False)
 
 
 @triton.jit
@@ -270,13 +272,6 @@ def workspace_elements(rows: int, hq: int, splits: int) -> tuple[int, int]:
     """(fp32 elements of the split partials, the offset of the (max, sum) pairs): acc rows of D, then pairs."""
     n = rows * hq * splits
     return n * (layout.HEAD_DIM + 2), n * layout.HEAD_DIM
-
-
-def device_multiprocessors(device: torch.device) -> int:
-    """SMs (CUs) of a GPU device (its current index when none is given); the interpreter's 4 on the CPU."""
-    if device.type != "cuda":
-        return multiprocessors(None)
-    return multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def constexprs(target: platform.Target, main: Source, extra: Source | None, has_len: bool, has_x_len: bool,

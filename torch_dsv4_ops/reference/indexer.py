@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import layout
-from .k_cache import block_amax, fp8_format, lookup, nan_code, pow2_fp32, ue8m0_exponent
+from .k_cache import fp8_format, lookup, pow2_fp32, ue8m0_quantize
 
 
 def indexer_pages(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -22,12 +22,7 @@ def indexer_pages(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def quantize_rows(k: torch.Tensor, use_fnuz: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 rows [n, 128] -> (fp8 codes [n, 128] uint8, scales 2**e [n] fp32), one UE8M0 scale per row (§2.2)."""
-    fmt = fp8_format(use_fnuz)
-    x = k.float()
-    e = ue8m0_exponent(block_amax(x), fmt)
-    y = x * pow2_fp32(-e)[:, None]                                     # exact: a power of two
-    q = y.clamp(-fmt.ue8m0_max, fmt.ue8m0_max).to(fmt.dtype).view(torch.uint8)
-    q = torch.where(y.isnan(), torch.tensor(nan_code(fmt), dtype=torch.uint8), q)
+    q, e = ue8m0_quantize(k.float(), fp8_format(use_fnuz))
     return q, pow2_fp32(e)
 
 

@@ -66,16 +66,23 @@ def scale_of_byte(byte: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def quantize_rows(k: torch.Tensor, fmt: layout.Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 rows [n, 512] -> (data [n, 576] uint8, scales [n, 8] uint8) exactly as §2.1 stores them."""
-    n = k.shape[0]
-    x = k[:, :layout.NOPE_DIM].float().reshape(n, layout.NUM_QUANT_BLOCKS, layout.QUANT_BLOCK)
+def ue8m0_quantize(x: torch.Tensor, fmt: layout.Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 blocks x [..., C] -> (fp8 codes [..., C] uint8, exact UE8M0 exponents e [...] int32): each block
+    scaled by 2**-e (exact), clamped to +-FP8_MAX, rounded to fmt."""
     e = ue8m0_exponent(block_amax(x), fmt)
     y = x * pow2_fp32(-e)[..., None]                                   # exact: a power of two
     q = y.clamp(-fmt.ue8m0_max, fmt.ue8m0_max).to(fmt.dtype).view(torch.uint8)
     # NaN is stored as the format's positive NaN code whatever its sign: hardware conversions drop
     # the sign of a NaN, so this is the one result every platform gives (docs/ops/k_cache.md §6.1)
-    q = torch.where(y.isnan(), torch.tensor(nan_code(fmt), dtype=torch.uint8), q).reshape(n, layout.NOPE_DIM)
+    return torch.where(y.isnan(), torch.tensor(nan_code(fmt), dtype=torch.uint8), q), e
+
+
+def quantize_rows(k: torch.Tensor, fmt: layout.Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 rows [n, 512] -> (data [n, 576] uint8, scales [n, 8] uint8) exactly as §2.1 stores them."""
+    n = k.shape[0]
+    x = k[:, :layout.NOPE_DIM].float().reshape(n, layout.NUM_QUANT_BLOCKS, layout.QUANT_BLOCK)
+    q, e = ue8m0_quantize(x, fmt)
+    q = q.reshape(n, layout.NOPE_DIM)
     rope = k[:, layout.NOPE_DIM:].contiguous().view(torch.uint8).reshape(n, 2 * layout.ROPE_DIM)
     byte = (e + layout.UE8M0_BIAS).clamp(0, 255).to(torch.uint8)
     pad = torch.zeros(n, layout.SCALE_BYTES - layout.NUM_QUANT_BLOCKS, dtype=torch.uint8, device=k.device)
