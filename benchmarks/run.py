@@ -23,6 +23,9 @@ FAMILIES = {
     "attention": "benchmarks.bench_attention",
     "sparse_mla": "benchmarks.bench_sparse_mla",
     "indexer": "benchmarks.bench_indexer",
+    "indexer_q": "benchmarks.bench_indexer_q",
+    "mqa_logits": "benchmarks.bench_mqa_logits",
+    "topk": "benchmarks.bench_topk",
 }
 
 

@@ -411,6 +411,104 @@ inline void flash_mla_with_kvcache_out(
   return op.call(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length, softmax_scale, out, lse, workspace, use_fnuz, extra_use_fnuz);
 }
 
+// dsv4::fp8_fp4_mqa_logits(Tensor q, Tensor k, Tensor k_scale, Tensor weights, Tensor cu_seqlen_ks, Tensor cu_seqlen_ke, bool clean_logits, bool use_fnuz=False) -> Tensor
+inline at::Tensor fp8_fp4_mqa_logits(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& k_scale,
+    const at::Tensor& weights,
+    const at::Tensor& cu_seqlen_ks,
+    const at::Tensor& cu_seqlen_ke,
+    bool clean_logits,
+    bool use_fnuz /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::fp8_fp4_mqa_logits", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>();
+  return op.call(q, k, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, use_fnuz);
+}
+
+// dsv4::fp8_fp4_mqa_logits_out(Tensor q, Tensor k, Tensor k_scale, Tensor weights, Tensor cu_seqlen_ks, Tensor cu_seqlen_ke, bool clean_logits, Tensor(a!) out, bool use_fnuz=False) -> ()
+inline void fp8_fp4_mqa_logits_out(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& k_scale,
+    const at::Tensor& weights,
+    const at::Tensor& cu_seqlen_ks,
+    const at::Tensor& cu_seqlen_ke,
+    bool clean_logits,
+    at::Tensor& out,
+    bool use_fnuz /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::fp8_fp4_mqa_logits_out", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, at::Tensor&, bool)>();
+  return op.call(q, k, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, out, use_fnuz);
+}
+
+// dsv4::fp8_fp4_paged_mqa_logits(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_tables, SymInt max_model_len, bool clean_logits, bool use_fnuz=False) -> Tensor
+inline at::Tensor fp8_fp4_paged_mqa_logits(
+    const at::Tensor& q,
+    const at::Tensor& kv_cache,
+    const at::Tensor& weights,
+    const at::Tensor& context_lens,
+    const at::Tensor& block_tables,
+    c10::SymInt max_model_len,
+    bool clean_logits,
+    bool use_fnuz /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::fp8_fp4_paged_mqa_logits", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt, bool, bool)>();
+  return op.call(q, kv_cache, weights, context_lens, block_tables, max_model_len, clean_logits, use_fnuz);
+}
+
+// dsv4::fp8_fp4_paged_mqa_logits_out(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_tables, SymInt max_model_len, bool clean_logits, Tensor(a!) out, bool use_fnuz=False) -> ()
+inline void fp8_fp4_paged_mqa_logits_out(
+    const at::Tensor& q,
+    const at::Tensor& kv_cache,
+    const at::Tensor& weights,
+    const at::Tensor& context_lens,
+    const at::Tensor& block_tables,
+    c10::SymInt max_model_len,
+    bool clean_logits,
+    at::Tensor& out,
+    bool use_fnuz /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::fp8_fp4_paged_mqa_logits_out", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt, bool, at::Tensor&, bool)>();
+  return op.call(q, kv_cache, weights, context_lens, block_tables, max_model_len, clean_logits, out, use_fnuz);
+}
+
+// dsv4::fused_indexer_q_rope_quant(Tensor positions, Tensor index_q, Tensor cos_sin_cache, Tensor index_weights, float softmax_scale, float head_scale, bool use_fp4=False) -> (Tensor, Tensor)
+inline std::tuple<at::Tensor, at::Tensor> fused_indexer_q_rope_quant(
+    const at::Tensor& positions,
+    const at::Tensor& index_q,
+    const at::Tensor& cos_sin_cache,
+    const at::Tensor& index_weights,
+    double softmax_scale,
+    double head_scale,
+    bool use_fp4 /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::fused_indexer_q_rope_quant", "")
+      .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, bool)>();
+  return op.call(positions, index_q, cos_sin_cache, index_weights, softmax_scale, head_scale, use_fp4);
+}
+
+// dsv4::fused_indexer_q_rope_quant_out(Tensor positions, Tensor index_q, Tensor cos_sin_cache, Tensor index_weights, float softmax_scale, float head_scale, Tensor(a!) q_fp8, Tensor(b!) weights_out, bool use_fp4=False) -> ()
+inline void fused_indexer_q_rope_quant_out(
+    const at::Tensor& positions,
+    const at::Tensor& index_q,
+    const at::Tensor& cos_sin_cache,
+    const at::Tensor& index_weights,
+    double softmax_scale,
+    double head_scale,
+    at::Tensor& q_fp8,
+    at::Tensor& weights_out,
+    bool use_fp4 /* = False */) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::fused_indexer_q_rope_quant_out", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, at::Tensor&, at::Tensor&, bool)>();
+  return op.call(positions, index_q, cos_sin_cache, index_weights, softmax_scale, head_scale, q_fp8, weights_out, use_fp4);
+}
+
 // dsv4::get_compressed_slot_mapping(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio) -> Tensor
 inline at::Tensor get_compressed_slot_mapping(
     c10::SymInt num_tokens,
@@ -440,6 +538,29 @@ inline void get_compressed_slot_mapping_out(
   return op.call(num_tokens, query_start_loc, seq_lens, block_table, block_size, compress_ratio, out);
 }
 
+// dsv4::get_paged_mqa_logits_metadata(Tensor context_lens, SymInt block_size, SymInt num_sms) -> Tensor
+inline at::Tensor get_paged_mqa_logits_metadata(
+    const at::Tensor& context_lens,
+    c10::SymInt block_size,
+    c10::SymInt num_sms) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::get_paged_mqa_logits_metadata", "")
+      .typed<at::Tensor(const at::Tensor&, c10::SymInt, c10::SymInt)>();
+  return op.call(context_lens, block_size, num_sms);
+}
+
+// dsv4::get_paged_mqa_logits_metadata_out(Tensor context_lens, SymInt block_size, SymInt num_sms, Tensor(a!) out) -> ()
+inline void get_paged_mqa_logits_metadata_out(
+    const at::Tensor& context_lens,
+    c10::SymInt block_size,
+    c10::SymInt num_sms,
+    at::Tensor& out) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::get_paged_mqa_logits_metadata_out", "")
+      .typed<void(const at::Tensor&, c10::SymInt, c10::SymInt, at::Tensor&)>();
+  return op.call(context_lens, block_size, num_sms, out);
+}
+
 // dsv4::indexer_k_quant_and_cache(Tensor k, Tensor(a!) kv_cache, Tensor slot_mapping, int quant_block_size, str scale_fmt, bool use_fnuz=False) -> ()
 inline void indexer_k_quant_and_cache(
     const at::Tensor& k,
@@ -452,6 +573,31 @@ inline void indexer_k_quant_and_cache(
       .findSchemaOrThrow("dsv4::indexer_k_quant_and_cache", "")
       .typed<void(const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, c10::string_view, bool)>();
   return op.call(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, use_fnuz);
+}
+
+// dsv4::pack_seq_triton(Tensor x, Tensor lengths, Scalar pad_value, SymInt max_len) -> Tensor
+inline at::Tensor pack_seq_triton(
+    const at::Tensor& x,
+    const at::Tensor& lengths,
+    const at::Scalar& pad_value,
+    c10::SymInt max_len) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::pack_seq_triton", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Scalar&, c10::SymInt)>();
+  return op.call(x, lengths, pad_value, max_len);
+}
+
+// dsv4::pack_seq_triton_out(Tensor x, Tensor lengths, Scalar pad_value, SymInt max_len, Tensor(a!) out) -> ()
+inline void pack_seq_triton_out(
+    const at::Tensor& x,
+    const at::Tensor& lengths,
+    const at::Scalar& pad_value,
+    c10::SymInt max_len,
+    at::Tensor& out) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::pack_seq_triton_out", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Scalar&, c10::SymInt, at::Tensor&)>();
+  return op.call(x, lengths, pad_value, max_len, out);
 }
 
 // dsv4::prepare_native_decode(Tensor query_start_loc, Tensor seq_lens, Tensor(a!) decode_lens, Tensor(b!) decode_seq_lens, SymInt num_decodes, SymInt max_decode_len, int compress_ratio) -> ()
@@ -592,6 +738,61 @@ inline void reshape_and_cache_flash_kv(
       .findSchemaOrThrow("dsv4::reshape_and_cache_flash_kv", "")
       .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&, c10::string_view, const at::Tensor&, const at::Tensor&, int64_t)>();
   return op.call(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kv_dim);
+}
+
+// dsv4::top_k_per_row_decode(Tensor logits, int next_n, Tensor seq_lens, Tensor(a!) topk_indices, SymInt num_rows, SymInt stride0, SymInt stride1, int topk) -> ()
+inline void top_k_per_row_decode(
+    const at::Tensor& logits,
+    int64_t next_n,
+    const at::Tensor& seq_lens,
+    at::Tensor& topk_indices,
+    c10::SymInt num_rows,
+    c10::SymInt stride0,
+    c10::SymInt stride1,
+    int64_t topk) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::top_k_per_row_decode", "")
+      .typed<void(const at::Tensor&, int64_t, const at::Tensor&, at::Tensor&, c10::SymInt, c10::SymInt, c10::SymInt, int64_t)>();
+  return op.call(logits, next_n, seq_lens, topk_indices, num_rows, stride0, stride1, topk);
+}
+
+// dsv4::top_k_per_row_prefill(Tensor logits, Tensor cu_seqlen_ks, Tensor cu_seqlen_ke, Tensor(a!) topk_indices, SymInt num_rows, SymInt stride0, SymInt stride1, int topk) -> ()
+inline void top_k_per_row_prefill(
+    const at::Tensor& logits,
+    const at::Tensor& cu_seqlen_ks,
+    const at::Tensor& cu_seqlen_ke,
+    at::Tensor& topk_indices,
+    c10::SymInt num_rows,
+    c10::SymInt stride0,
+    c10::SymInt stride1,
+    int64_t topk) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::top_k_per_row_prefill", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, c10::SymInt, c10::SymInt, c10::SymInt, int64_t)>();
+  return op.call(logits, cu_seqlen_ks, cu_seqlen_ke, topk_indices, num_rows, stride0, stride1, topk);
+}
+
+// dsv4::unpack_seq_triton(Tensor x, Tensor lengths, SymInt total) -> Tensor
+inline at::Tensor unpack_seq_triton(
+    const at::Tensor& x,
+    const at::Tensor& lengths,
+    c10::SymInt total) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::unpack_seq_triton", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymInt)>();
+  return op.call(x, lengths, total);
+}
+
+// dsv4::unpack_seq_triton_out(Tensor x, Tensor lengths, SymInt total, Tensor(a!) out) -> ()
+inline void unpack_seq_triton_out(
+    const at::Tensor& x,
+    const at::Tensor& lengths,
+    c10::SymInt total,
+    at::Tensor& out) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("dsv4::unpack_seq_triton_out", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, c10::SymInt, at::Tensor&)>();
+  return op.call(x, lengths, total, out);
 }
 
 }  // namespace dsv4

@@ -30,9 +30,19 @@ TORCH_LIBRARY_FRAGMENT(dsv4, m) {
   m.def("flash_mla_sparse_fwd_out(Tensor q, Tensor kv, Tensor indices, float sm_scale, Tensor(a!) out, Tensor(b!) max_logits, Tensor(c!) lse, Tensor? attn_sink=None, Tensor? topk_length=None) -> ()");
   m.def("flash_mla_with_kvcache(Tensor q, Tensor k_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, Tensor? extra_indices, Tensor? extra_topk_length, float softmax_scale, bool use_fnuz=False, bool extra_use_fnuz=False) -> (Tensor, Tensor)");
   m.def("flash_mla_with_kvcache_out(Tensor q, Tensor k_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, Tensor? extra_indices, Tensor? extra_topk_length, float softmax_scale, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) workspace, bool use_fnuz=False, bool extra_use_fnuz=False) -> ()");
+  m.def("fp8_fp4_mqa_logits(Tensor q, Tensor k, Tensor k_scale, Tensor weights, Tensor cu_seqlen_ks, Tensor cu_seqlen_ke, bool clean_logits, bool use_fnuz=False) -> Tensor");
+  m.def("fp8_fp4_mqa_logits_out(Tensor q, Tensor k, Tensor k_scale, Tensor weights, Tensor cu_seqlen_ks, Tensor cu_seqlen_ke, bool clean_logits, Tensor(a!) out, bool use_fnuz=False) -> ()");
+  m.def("fp8_fp4_paged_mqa_logits(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_tables, SymInt max_model_len, bool clean_logits, bool use_fnuz=False) -> Tensor");
+  m.def("fp8_fp4_paged_mqa_logits_out(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_tables, SymInt max_model_len, bool clean_logits, Tensor(a!) out, bool use_fnuz=False) -> ()");
+  m.def("fused_indexer_q_rope_quant(Tensor positions, Tensor index_q, Tensor cos_sin_cache, Tensor index_weights, float softmax_scale, float head_scale, bool use_fp4=False) -> (Tensor, Tensor)");
+  m.def("fused_indexer_q_rope_quant_out(Tensor positions, Tensor index_q, Tensor cos_sin_cache, Tensor index_weights, float softmax_scale, float head_scale, Tensor(a!) q_fp8, Tensor(b!) weights_out, bool use_fp4=False) -> ()");
   m.def("get_compressed_slot_mapping(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio) -> Tensor");
   m.def("get_compressed_slot_mapping_out(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio, Tensor(a!) out) -> ()");
+  m.def("get_paged_mqa_logits_metadata(Tensor context_lens, SymInt block_size, SymInt num_sms) -> Tensor");
+  m.def("get_paged_mqa_logits_metadata_out(Tensor context_lens, SymInt block_size, SymInt num_sms, Tensor(a!) out) -> ()");
   m.def("indexer_k_quant_and_cache(Tensor k, Tensor(a!) kv_cache, Tensor slot_mapping, int quant_block_size, str scale_fmt, bool use_fnuz=False) -> ()");
+  m.def("pack_seq_triton(Tensor x, Tensor lengths, Scalar pad_value, SymInt max_len) -> Tensor");
+  m.def("pack_seq_triton_out(Tensor x, Tensor lengths, Scalar pad_value, SymInt max_len, Tensor(a!) out) -> ()");
   m.def("prepare_native_decode(Tensor query_start_loc, Tensor seq_lens, Tensor(a!) decode_lens, Tensor(b!) decode_seq_lens, SymInt num_decodes, SymInt max_decode_len, int compress_ratio) -> ()");
   m.def("prepare_swa_decode(Tensor(a!) swa_indices, Tensor(b!) swa_lens, Tensor(c!) token_to_req_indices, Tensor(d!) is_valid_token, int window_size, Tensor query_start_loc, Tensor seq_lens, Tensor slot_mapping, Tensor block_table, int block_size, SymInt num_decode_tokens, bool noncausal=False) -> ()");
   m.def("prepare_token_metadata(Tensor query_start_loc, Tensor slot_mapping, Tensor(a!) token_to_req_indices, Tensor(b!) is_valid_token) -> ()");
@@ -42,4 +52,8 @@ TORCH_LIBRARY_FRAGMENT(dsv4, m) {
   m.def("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
   m.def("reshape_and_cache_flash_diffkv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()");
   m.def("reshape_and_cache_flash_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale, int kv_dim=0) -> ()");
+  m.def("top_k_per_row_decode(Tensor logits, int next_n, Tensor seq_lens, Tensor(a!) topk_indices, SymInt num_rows, SymInt stride0, SymInt stride1, int topk) -> ()");
+  m.def("top_k_per_row_prefill(Tensor logits, Tensor cu_seqlen_ks, Tensor cu_seqlen_ke, Tensor(a!) topk_indices, SymInt num_rows, SymInt stride0, SymInt stride1, int topk) -> ()");
+  m.def("unpack_seq_triton(Tensor x, Tensor lengths, SymInt total) -> Tensor");
+  m.def("unpack_seq_triton_out(Tensor x, Tensor lengths, SymInt total, Tensor(a!) out) -> ()");
 }

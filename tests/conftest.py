@@ -8,8 +8,12 @@ fp32 -> bf16 rounding goes through kernels/fp8.py, whose software codec the inte
 codes and every finite bf16 value); masks are built from tensors only; no autotune, no
 make_block_ptr; test grids stay at a few dozen programs. numpy comes with the package's install.
 """
+import json
 import os
+import pathlib
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -38,6 +42,64 @@ def pytest_collection_modifyitems(config, items):
     if shard:
         k, n = (int(v) for v in shard.split("/"))
         items[:] = [item for i, item in enumerate(items) if i % n == k]
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MATRIX_TESTS = "tests/test_compile_matrix.py"
+
+
+class MatrixRun:
+    """The compile matrix CLI (`python -m torch_dsv4_ops.compile_matrix --json`) in a subprocess without
+    TRITON_INTERPRET. It starts as soon as collection finds a compile-matrix test, so its compiles overlap
+    the interpreter tests instead of following them (CI has 2 cores; each side mostly keeps one busy)."""
+
+    def __init__(self):
+        self.dir = tempfile.TemporaryDirectory(prefix="dsv4_matrix_")
+        self.json = pathlib.Path(self.dir.name) / "matrix.json"
+        self.log = open(pathlib.Path(self.dir.name) / "matrix.log", "w+")
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen([sys.executable, "-m", "torch_dsv4_ops.compile_matrix", "--quiet", "--json",
+                                      str(self.json)], cwd=ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, text=True)
+
+    def result(self, timeout: float = 1500) -> dict:
+        """The CLI's JSON plus its exit status (`returncode`) and output (`stdout`); fails the test if it crashed."""
+        returncode = self.proc.wait(timeout=timeout)
+        self.log.seek(0)
+        output = self.log.read()
+        if not self.json.exists():
+            pytest.fail(f"the compile matrix crashed (exit {returncode}):\n{output[-6000:]}")
+        data = json.loads(self.json.read_text())
+        data["returncode"], data["stdout"] = returncode, output
+        return data
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        self.dir.cleanup()
+
+
+def pytest_collection_finish(session):
+    if any(item.nodeid.startswith(MATRIX_TESTS) for item in session.items):
+        session.config.dsv4_matrix = MatrixRun()
+
+
+def pytest_unconfigure(config):
+    run = getattr(config, "dsv4_matrix", None)
+    if run is not None:
+        run.close()
+
+
+@pytest.fixture(scope="session")
+def matrix_run(request) -> MatrixRun:
+    """The compile-matrix subprocess started at collection (or now, if collection did not start it)."""
+    config = request.config
+    if getattr(config, "dsv4_matrix", None) is None:
+        config.dsv4_matrix = MatrixRun()
+    return config.dsv4_matrix
 
 
 @pytest.fixture(params=DEVICES)

@@ -5,12 +5,8 @@ compiles the fp8 path (hardware casts or the software codec) that `platform.nati
 The matrix runs once, in a subprocess without TRITON_INTERPRET (conftest sets it for this process),
 through the CLI `python -m torch_dsv4_ops.compile_matrix --json`; the tests read its JSON.
 """
-import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -52,19 +48,10 @@ def _backend(target: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    """The CLI's JSON for the whole matrix (all nine targets), plus its exit status and output."""
-    out = tmp_path_factory.mktemp("compile_matrix") / "matrix.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "torch_dsv4_ops.compile_matrix", "--quiet", "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if not out.exists():
-        pytest.fail(f"the compile matrix crashed (exit {proc.returncode}):\n"
-                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    data = json.loads(out.read_text())
-    data["returncode"], data["stdout"] = proc.returncode, proc.stdout
-    return data
+def matrix(matrix_run):
+    """The CLI's JSON for the whole matrix (all nine targets), plus its exit status and output. The CLI
+    runs in a subprocess that conftest starts right after collection (`MatrixRun`)."""
+    return matrix_run.result()
 
 
 CACHE_MODULE = "torch_dsv4_ops.kernels.cache"
@@ -110,6 +97,16 @@ def _expected_hw(result) -> set[tuple[str, str]]:
     if result["module"] == "torch_dsv4_ops.kernels.indexer":   # the insert encodes its format; the gather copies
         if result["name"].startswith("indexer_insert") and not c["SW"]:
             out.add(("encode", FAMILY[c["FMT"]]))
+        return out
+    if result["module"] == "torch_dsv4_ops.kernels.indexer_q":   # the Q kernel encodes its format; pack/unpack copy
+        if result["name"].startswith("indexer_q.") and not c["SW"]:
+            out.add(("encode", FAMILY[c["FMT"]]))
+        return out
+    if result["module"] == "torch_dsv4_ops.kernels.mqa_logits":   # codes decoded only on the bf16 dot path
+        if c.get("DOT_MODE") == 1:
+            for fmt, sw in ((c["Q_FMT"], c["Q_SW"]), (c["K_FMT"], c["K_SW"])):
+                if not sw:
+                    out.add(("decode", FAMILY[fmt]))
         return out
     if result["module"] == "torch_dsv4_ops.kernels.sparse_mla":   # the main and extra caches' codes decoded
         for fmt, sw, used in ((c.get("FMT"), c.get("SW"), True), (c.get("X_FMT"), c.get("X_SW"), c.get("EXTRA"))):

@@ -89,9 +89,19 @@ dsv4::flash_mla_sparse_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, 
 dsv4::flash_mla_sparse_fwd_out(Tensor q, Tensor kv, Tensor indices, float sm_scale, Tensor(a!) out, Tensor(b!) max_logits, Tensor(c!) lse, Tensor? attn_sink=None, Tensor? topk_length=None) -> ()
 dsv4::flash_mla_with_kvcache(Tensor q, Tensor k_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, Tensor? extra_indices, Tensor? extra_topk_length, float softmax_scale, bool use_fnuz=False, bool extra_use_fnuz=False) -> (Tensor, Tensor)
 dsv4::flash_mla_with_kvcache_out(Tensor q, Tensor k_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, Tensor? extra_k_cache, Tensor? extra_indices, Tensor? extra_topk_length, float softmax_scale, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) workspace, bool use_fnuz=False, bool extra_use_fnuz=False) -> ()
+dsv4::fp8_fp4_mqa_logits(Tensor q, Tensor k, Tensor k_scale, Tensor weights, Tensor cu_seqlen_ks, Tensor cu_seqlen_ke, bool clean_logits, bool use_fnuz=False) -> Tensor
+dsv4::fp8_fp4_mqa_logits_out(Tensor q, Tensor k, Tensor k_scale, Tensor weights, Tensor cu_seqlen_ks, Tensor cu_seqlen_ke, bool clean_logits, Tensor(a!) out, bool use_fnuz=False) -> ()
+dsv4::fp8_fp4_paged_mqa_logits(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_tables, SymInt max_model_len, bool clean_logits, bool use_fnuz=False) -> Tensor
+dsv4::fp8_fp4_paged_mqa_logits_out(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_tables, SymInt max_model_len, bool clean_logits, Tensor(a!) out, bool use_fnuz=False) -> ()
+dsv4::fused_indexer_q_rope_quant(Tensor positions, Tensor index_q, Tensor cos_sin_cache, Tensor index_weights, float softmax_scale, float head_scale, bool use_fp4=False) -> (Tensor, Tensor)
+dsv4::fused_indexer_q_rope_quant_out(Tensor positions, Tensor index_q, Tensor cos_sin_cache, Tensor index_weights, float softmax_scale, float head_scale, Tensor(a!) q_fp8, Tensor(b!) weights_out, bool use_fp4=False) -> ()
 dsv4::get_compressed_slot_mapping(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio) -> Tensor
 dsv4::get_compressed_slot_mapping_out(SymInt num_tokens, Tensor query_start_loc, Tensor seq_lens, Tensor block_table, int block_size, int compress_ratio, Tensor(a!) out) -> ()
+dsv4::get_paged_mqa_logits_metadata(Tensor context_lens, SymInt block_size, SymInt num_sms) -> Tensor
+dsv4::get_paged_mqa_logits_metadata_out(Tensor context_lens, SymInt block_size, SymInt num_sms, Tensor(a!) out) -> ()
 dsv4::indexer_k_quant_and_cache(Tensor k, Tensor(a!) kv_cache, Tensor slot_mapping, int quant_block_size, str scale_fmt, bool use_fnuz=False) -> ()
+dsv4::pack_seq_triton(Tensor x, Tensor lengths, Scalar pad_value, SymInt max_len) -> Tensor
+dsv4::pack_seq_triton_out(Tensor x, Tensor lengths, Scalar pad_value, SymInt max_len, Tensor(a!) out) -> ()
 dsv4::prepare_native_decode(Tensor query_start_loc, Tensor seq_lens, Tensor(a!) decode_lens, Tensor(b!) decode_seq_lens, SymInt num_decodes, SymInt max_decode_len, int compress_ratio) -> ()
 dsv4::prepare_swa_decode(Tensor(a!) swa_indices, Tensor(b!) swa_lens, Tensor(c!) token_to_req_indices, Tensor(d!) is_valid_token, int window_size, Tensor query_start_loc, Tensor seq_lens, Tensor slot_mapping, Tensor block_table, int block_size, SymInt num_decode_tokens, bool noncausal=False) -> ()
 dsv4::prepare_token_metadata(Tensor query_start_loc, Tensor slot_mapping, Tensor(a!) token_to_req_indices, Tensor(b!) is_valid_token) -> ()
@@ -100,7 +110,11 @@ dsv4::prepare_varlen_decode(Tensor query_start_loc, Tensor seq_lens, Tensor bloc
 dsv4::quantize_and_insert_k_cache(Tensor k, Tensor(a!) k_cache, Tensor slot_mapping, int block_size=64, bool is_ue8m0=True, bool use_fnuz=False) -> ()
 dsv4::reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()
 dsv4::reshape_and_cache_flash_diffkv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()
-dsv4::reshape_and_cache_flash_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale, int kv_dim=0) -> ()""")
+dsv4::reshape_and_cache_flash_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale, int kv_dim=0) -> ()
+dsv4::top_k_per_row_decode(Tensor logits, int next_n, Tensor seq_lens, Tensor(a!) topk_indices, SymInt num_rows, SymInt stride0, SymInt stride1, int topk) -> ()
+dsv4::top_k_per_row_prefill(Tensor logits, Tensor cu_seqlen_ks, Tensor cu_seqlen_ke, Tensor(a!) topk_indices, SymInt num_rows, SymInt stride0, SymInt stride1, int topk) -> ()
+dsv4::unpack_seq_triton(Tensor x, Tensor lengths, SymInt total) -> Tensor
+dsv4::unpack_seq_triton_out(Tensor x, Tensor lengths, SymInt total, Tensor(a!) out) -> ()""")
 
     def test_stubs_are_current(self):
         diff = stubs.check()

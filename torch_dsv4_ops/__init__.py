@@ -45,6 +45,20 @@ from .ops.indexer import (
     cp_gather_indexer_k_quant_cache,
     indexer_k_quant_and_cache,
 )
+from .ops.indexer_q import (
+    fused_indexer_q_rope_quant,
+    pack_seq_triton,
+    unpack_seq_triton,
+)
+from .ops.mqa_logits import (
+    fp8_fp4_mqa_logits,
+    fp8_fp4_paged_mqa_logits,
+    get_paged_mqa_logits_metadata,
+)
+from .ops.topk import (
+    top_k_per_row_decode,
+    top_k_per_row_prefill,
+)
 from .ops.sparse_mla import (
     flash_mla_sparse_fwd,
     flash_mla_with_kvcache,
@@ -83,6 +97,9 @@ __all__ = [
     "context_attention_fwd", "chunked_prefill_paged_decode",
     "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata", "sparse_mla_workspace_size",
     "indexer_k_quant_and_cache", "cp_gather_indexer_k_quant_cache",
+    "fused_indexer_q_rope_quant", "pack_seq_triton", "unpack_seq_triton",
+    "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "get_paged_mqa_logits_metadata",
+    "top_k_per_row_prefill", "top_k_per_row_decode",
     "split_decodes_and_prefills", "split_indexer_prefill_chunks", "get_prefill_chunk_plan",
     "get_dspark_swa_index_width", "get_max_prefill_buffer_size", "build_prefill_chunk_metadata",
     "BatchDescription", "DeepseekSparseSWAMetadata", "DeepSeekV32IndexerDecodeMetadata", "DeepseekV32IndexerMetadata",

@@ -44,6 +44,9 @@ MATRIX_MODULES = (
     "torch_dsv4_ops.kernels.attention",
     "torch_dsv4_ops.kernels.sparse_mla",
     "torch_dsv4_ops.kernels.indexer",
+    "torch_dsv4_ops.kernels.indexer_q",
+    "torch_dsv4_ops.kernels.mqa_logits",
+    "torch_dsv4_ops.kernels.topk",
 )
 
 _FP8_INSTRUCTION = {
@@ -80,7 +83,7 @@ def compile_case(case: KernelCase, target: platform.Target):
     """`triton.compile` one case for `target`; returns triton's compiled kernel (asm in `.asm`)."""
     from triton.compiler import ASTSource
     src = ASTSource(fn=case.fn, signature=case.signature, constexprs=case.constexprs, attrs=case.attrs)
-    return triton.compile(src, target=gpu_target(target), options={"num_warps": case.num_warps})
+    return triton.compile(src, target=gpu_target(target), options={"num_warps": case.num_warps, **case.options})
 
 
 def fp8_instructions(compiled, target: platform.Target) -> list[str]:

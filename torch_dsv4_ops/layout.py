@@ -74,6 +74,10 @@ INDEXER_SCALE_BYTES = 4
 INDEXER_TOKEN_BYTES = INDEXER_DIM + INDEXER_SCALE_BYTES   # 132
 INDEXER_QUANT_BLOCK = INDEXER_DIM                         # one UE8M0 scale per K row
 INDEXER_SCALE_FMT = "ue8m0"
+INDEXER_HEADS = 64                                        # indexer query heads of the model (SPEC §1)
+INDEXER_ROPE_DIM = 64                                     # Q RoPE on dims [64, 128): pairs (64+2i, 64+2i+1)
+INDEXER_NOPE_DIM = INDEXER_DIM - INDEXER_ROPE_DIM         # dims [0, 64) pass through
+INDEXER_ROPE_PAIRS = INDEXER_ROPE_DIM // 2                # cos_sin_cache rows: [cos_0..cos_31, sin_0..sin_31]
 
 
 def indexer_block_bytes(block_size: int) -> int:

@@ -712,7 +712,6 @@ def matrix_cases(target: platform.Target) -> list:
 
     def case(fn, launch):
         name, tensors, ints, meta = launch
-        meta = {k: v for k, v in meta.items() if k not in ("launch_pdl", "num_stages")}
         return kernel_case(target, f"attention.{name}", fn, tensors, ints, meta)
 
     prefill, decode, combine = _matrix_geometries()

@@ -405,15 +405,12 @@ def matrix_launch(target: platform.Target, op: str, layout_name: str, in_dtype, 
 
 def _matrix_case(target: platform.Target, *spec, **options):
     """`matrix_launch` as a compile-matrix case: what Triton's runtime would specialise on."""
-    from .matrix import KernelCase, specialise
+    from .matrix import kernel_case
 
     name, tensors, ints, meta = matrix_launch(target, *spec, **options)
     fn = head_major_group_kernel if uses_group_kernel(spec[1], options.get("tokens", 3)) \
         else flash_cache_write_kernel
-    meta = dict(meta)
-    num_warps = meta.pop("num_warps")
-    signature, consts, attrs = specialise(fn, tensors + ints, meta, target)
-    return KernelCase(name, fn, signature, consts, num_warps, attrs)
+    return kernel_case(target, name, fn, tensors, ints, meta)
 
 
 def matrix_cases(target: platform.Target) -> list:

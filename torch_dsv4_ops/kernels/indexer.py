@@ -156,7 +156,7 @@ def matrix_cases(target: platform.Target) -> list:
 
     def case(fn, launch):
         name, tensors, ints, meta = launch
-        return kernel_case(target, name, fn, tensors, ints, {k: v for k, v in meta.items() if k != "launch_pdl"})
+        return kernel_case(target, name, fn, tensors, ints, meta)
 
     cases = []
     for bs in (64, 16):

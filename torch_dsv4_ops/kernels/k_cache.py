@@ -308,13 +308,10 @@ def matrix_launch_gather(target: platform.Target, block_size: int, use_fnuz: boo
 
 
 def _matrix_case(target, kernel, launch):
-    from .matrix import KernelCase, specialise
+    from .matrix import kernel_case
 
     name, tensors, ints, meta = launch
-    meta = {k: v for k, v in meta.items() if k not in ("num_warps", "launch_pdl")}
-    num_warps = launch[3]["num_warps"]
-    signature, consts, attrs = specialise(kernel, tensors + ints, meta, target)
-    return KernelCase(name, kernel, signature, consts, num_warps, attrs)
+    return kernel_case(target, name, kernel, tensors, ints, meta)
 
 
 def matrix_cases(target: platform.Target) -> list:

@@ -25,6 +25,8 @@ TRITON_DTYPE = {
     torch.float8_e4m3fnuz: "fp8e4b8",
 }
 INT32_RANGE = range(-2**31, 2**31)
+COMPILE_OPTIONS = ("num_stages", "enable_fp_fusion")   # launch keywords that select a compiled kernel
+LAUNCH_ONLY = ("launch_pdl",)                          # launch keywords that do not
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +49,13 @@ class KernelCase:
     constexprs: dict[str, Any]
     num_warps: int
     attrs: dict = dataclasses.field(default_factory=dict)   # {(arg index,): [[attribute, value], ...]}
+    options: dict = dataclasses.field(default_factory=dict)  # other compile options: num_stages, enable_fp_fusion
 
     def key(self) -> tuple:
         """What makes two cases the same compiled kernel (the name does not)."""
         return (self.fn.__name__, tuple(self.signature.items()), tuple(sorted(self.constexprs.items())),
-                self.num_warps, tuple(sorted((k, repr(v)) for k, v in self.attrs.items())))
+                self.num_warps, tuple(sorted((k, repr(v)) for k, v in self.attrs.items())),
+                tuple(sorted(self.options.items())))
 
 
 def gpu_target(target: platform.Target):
@@ -127,12 +131,13 @@ def specialise(fn, args: Sequence, meta: dict[str, Any], target: platform.Target
 
 
 def kernel_case(target: platform.Target, name: str, fn, tensors, ints, meta: dict) -> KernelCase:
-    """A case from a launcher's tensor arguments (`Ptr`s), int arguments and constexprs (num_warps
-    included)."""
-    meta = dict(meta)
+    """A case from a launcher's tensor arguments (`Ptr`s), int arguments and launch keywords: constexprs,
+    num_warps and the other compile options (`COMPILE_OPTIONS`); `LAUNCH_ONLY` keywords are ignored."""
+    meta = {k: v for k, v in meta.items() if k not in LAUNCH_ONLY}
     num_warps = meta.pop("num_warps")
+    options = {k: meta.pop(k) for k in COMPILE_OPTIONS if k in meta}
     signature, consts, attrs = specialise(fn, tuple(tensors) + tuple(ints), meta, target)
-    return KernelCase(name, fn, signature, consts, num_warps, attrs)
+    return KernelCase(name, fn, signature, consts, num_warps, attrs, options)
 
 
 def dedupe(cases: list[KernelCase]) -> list[KernelCase]:

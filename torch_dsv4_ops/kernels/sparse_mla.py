@@ -342,7 +342,6 @@ def matrix_cases(target: platform.Target) -> list:
 
     def case(fn, launch):
         name, tensors, ints, meta = launch
-        meta = {k: v for k, v in meta.items() if k not in ("launch_pdl", "num_stages")}
         return kernel_case(target, f"sparse_mla.{name}", fn, tensors, ints, meta)
 
     swa, swa_fnuz, c128 = Source(64), Source(64, True), Source(2)

@@ -1,0 +1,285 @@
+"""Triton kernel and launcher for `top_k_per_row_prefill` / `top_k_per_row_decode` (SPEC §3.9).
+
+`topk_per_row_kernel`: grid (num_rows,), one program per row r. The row's candidates are the columns
+[lo, hi) of `logits` (prefill: the clamped [ks, ke); decode: [0, clamp(len, 0, N))), L = hi - lo.
+
+* L <= TOPK: the program writes [0, 1, ..., L-1, -1, ..., -1] into topk_indices[r, :TOPK] and reads no logit.
+* L > TOPK: every logit becomes an order-preserving uint32 key (NaN -> 0, the lowest; -0.0 -> +0.0; bf16 and
+  fp16 are widened to fp32 first). A radix select finds the TOPK-th largest key exactly, most significant
+  digit first: each pass is a histogram (tl.histogram) of the candidates whose higher digits equal those chosen
+  so far, and picks the digit holding the k-th largest. `radix_bits()` sets the digits per Triton version: 3
+  passes over bits 31..20, 19..10, 9..0 where tl.histogram is one shared-memory atomic per input (the wide
+  first digit spreads typical logits over many bins), 6 passes of 7 + 5 x 5 bits where it counts with warp
+  ballots. The result is the threshold key T and `need`, how many keys equal to T are taken
+  (TOPK - #(key > T), the lowest-indexed ones). A last sweep takes key > T, plus key == T while fewer than
+  `need` equal keys precede, and stores column - lo at the output position given by the exclusive prefix
+  count of taken keys: exactly TOPK indices, in ascending order.
+* The row is read through a window that starts at the ALIGN-aligned column at or below lo (vector loads; the
+  load mask is the row end only, the range is applied to the keys). A window of at most BLOCK columns stays in
+  registers for every pass; a longer one streams through BLOCK-column tiles once per pass, carrying the
+  histogram and the prefix counts across tiles.
+
+Runtime: N (logits.shape[1]), every stride, next_n and B (seq_lens rows); constexpr: the mode (prefill,
+decode with 2-D or 1-D seq_lens), TOPK, the tile sizes and PDL (SPEC §4 h). No load or store reaches outside
+the row's [0, N) columns or the tensors' rows (§4 b); offsets inside a row are int32 (the host checks that
+(N - 1) * stride1 fits), row bases int64.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import layout, platform
+from ._launch import FastLauncher, launch_options, triton_minor  # noqa: F401  (ops use launch_options)
+
+if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
+    gdc_wait = gdc_launch_dependents = None
+else:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+MODE_PREFILL, MODE_DECODE_2D, MODE_DECODE_1D = 0, 1, 2
+MODE_NAMES = {MODE_PREFILL: "prefill", MODE_DECODE_2D: "decode2d", MODE_DECODE_1D: "decode1d"}
+
+TILE_MAX = 16384          # columns held in registers per program; longer windows stream in tiles of this size.
+#                           At most 16384: the two 16-bit prefix counts packed in one int32 stay exact
+TILE_MIN = 128
+OUT_BLOCK_MAX = 1024      # output columns per store step of the L <= TOPK path
+ALIGN = 16                # the window of a row starts at a multiple of ALIGN columns (vector loads)
+PER_THREAD = 16           # keys per lane: sets the warps of a tile
+MAX_WARPS = {"cuda": 32, "hip": 8, "interpreter": 8}
+KEY_SIGN = tl.constexpr(0x80000000)
+# tl.histogram's mask argument (recent Triton); without it, lanes outside the candidates count in bin 0 and are
+# subtracted there
+HIST_MASK = tl.constexpr("mask" in inspect.signature(tl.histogram).parameters)
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def _load_keys(row_ptr, j, start, n, s1, cols):
+    """(uint32 keys, live) of the window's positions j (j < cols: inside the row), live where j - start is in
+    [0, n). The load is masked by j < cols only (uniform over aligned runs: vector loads), the range after.
+    Keys order the values: NaN -> 0 (below -inf), -0.0 -> the key of +0.0, negatives -> ~bits,
+    non-negatives -> bits | 2**31."""
+    x = tl.load(row_ptr + j * s1, mask=j < cols, other=0.0).to(tl.float32)
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) != 0, ~bits, bits | KEY_SIGN)
+    key = tl.where(x == 0.0, KEY_SIGN, key)
+    return tl.where(x != x, 0, key), (j >= start) & (j < start + n)
+
+
+@triton.jit
+def _digit_histogram(key, live, prefix, SHIFT: tl.constexpr, WIDTH: tl.constexpr, FIRST: tl.constexpr):
+    """Histogram (2**WIDTH bins) of digit (key >> SHIFT) & (2**WIDTH - 1) over the live keys whose bits above
+    SHIFT + WIDTH equal `prefix` (all live keys when FIRST). Without HIST_MASK the other lanes count in bin 0."""
+    if FIRST:
+        cand = live
+    else:
+        cand = live & ((key >> (SHIFT + WIDTH)) == prefix)
+    digit = ((key >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32)
+    if HIST_MASK:
+        return tl.histogram(digit, 1 << WIDTH, mask=cand)
+    else:
+        return tl.histogram(tl.where(cand, digit, 0), 1 << WIDTH)
+
+
+@triton.jit
+def _radix_step(hist, skipped, total, k, prefix, WIDTH: tl.constexpr):
+    """From a digit histogram of `total` candidates (plus `skipped` stray counts in bin 0 without HIST_MASK):
+    the digit b holding the k-th largest candidate. Returns (#candidates with digit b, k - #(digit > b),
+    (prefix << WIDTH) | b)."""
+    bins = tl.arange(0, 1 << WIDTH)
+    if not HIST_MASK:
+        hist -= tl.where(bins == 0, skipped, 0)
+    at_least = total - tl.cumsum(hist, 0) + hist          # candidates with digit >= b
+    b = tl.max(tl.where(at_least >= k, bins, 0), 0)
+    above = tl.sum(tl.where(bins > b, hist, 0), 0)
+    at = tl.sum(tl.where(bins == b, hist, 0), 0)
+    return at, k - above, (prefix << WIDTH) | b.to(tl.uint32)
+
+
+@triton.jit
+def _select_store(key, j, live, thr, need, g_run, e_run, out_row, o_s1, TOPK: tl.constexpr):
+    """Store j at its output position for the taken lanes of one tile (key > thr, or key == thr among the first
+    `need` such keys of the row); g_run / e_run: keys > thr / == thr in earlier tiles. Returns the new counts."""
+    greater = live & (key > thr)
+    equal = live & (key == thr)
+    packed = (greater.to(tl.int32) << 16) | equal.to(tl.int32)     # one scan for both counts (<= 2**14 each)
+    before = tl.cumsum(packed, 0) - packed
+    e_before = e_run + (before & 0xFFFF)
+    g_before = g_run + (before >> 16)
+    pos = g_before + tl.minimum(e_before, need)
+    take = (greater | (equal & (e_before < need))) & (pos < TOPK)
+    tl.store(out_row + pos.to(tl.int64) * o_s1, j.to(tl.int32), mask=take)
+    return g_run + tl.sum(greater.to(tl.int32), 0), e_run + tl.sum(equal.to(tl.int32), 0)
+
+
+@triton.jit
+def _tiles_histogram(row, offs, start, n, s1, cols, prefix, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
+                     FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    """_digit_histogram over a window longer than one tile, BLOCK columns at a time."""
+    hist = tl.zeros([1 << WIDTH], tl.int32)
+    for c0 in range(0, start + n, BLOCK):
+        j = c0 + offs
+        key, live = _load_keys(row, j, start, n, s1, cols)
+        hist += _digit_histogram(key, live, prefix, SHIFT, WIDTH, FIRST)
+    return hist
+
+
+@triton.jit(do_not_specialize=("n_seq",))
+def topk_per_row_kernel(
+    logits_ptr, a_ptr, b_ptr, out_ptr, n_cols, l_s0, l_s1, a_s0, a_s1, b_s0, o_s0, o_s1, next_n, n_seq,
+    MODE: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+    RADIX: tl.constexpr, PDL: tl.constexpr,
+):
+    """Prefill: a = cu_seqlen_ks, b = cu_seqlen_ke. Decode: a = b = seq_lens ([B, next_n] or [B]).
+    The radix select runs 32 // RADIX passes: the first over the top 32 - RADIX * (passes - 1) bits of the key,
+    the others over RADIX bits each."""
+    PASSES: tl.constexpr = 32 // RADIX
+    FIRST: tl.constexpr = 32 - RADIX * (PASSES - 1)
+    r = tl.program_id(0).to(tl.int64)
+    _pdl_start(PDL)
+    if MODE == 0:
+        ks = tl.load(a_ptr + r * a_s0).to(tl.int64)
+        ke = tl.load(b_ptr + r * b_s0).to(tl.int64)
+        lo = tl.minimum(tl.maximum(ks, 0), n_cols)
+        hi = tl.minimum(tl.maximum(ke, lo), n_cols)
+    else:
+        req = r // next_n
+        jj = r - req * next_n
+        has = req < n_seq                      # a row past seq_lens' requests has no candidates
+        req = tl.where(has, req, 0)
+        if MODE == 1:
+            ln = tl.load(a_ptr + req * a_s0 + jj * a_s1, mask=has, other=0).to(tl.int64)
+        else:
+            ln = tl.load(a_ptr + req * a_s0, mask=has, other=0).to(tl.int64) - next_n + jj + 1
+        ln = tl.where(has, ln, 0)
+        hi = tl.minimum(tl.maximum(ln, 0), n_cols)
+        lo = hi * 0
+    n = (hi - lo).to(tl.int32)
+    out_row = out_ptr + r * o_s0
+    if n <= TOPK:
+        for c0 in range(0, TOPK, OUT_BLOCK):
+            j = c0 + tl.arange(0, OUT_BLOCK)
+            tl.store(out_row + j.to(tl.int64) * o_s1, tl.where(j < n, j, -1), mask=j < TOPK)
+    else:
+        # window position j = column - base; the candidates are positions [start, start + n)
+        base = (lo // ALIGN) * ALIGN
+        start = (lo - base).to(tl.int32)
+        row = logits_ptr + r * l_s0 + base * l_s1
+        cols = n_cols - base                   # positions inside the row
+        offs = tl.arange(0, BLOCK)
+        k = n * 0 + TOPK                       # keys still to take at or below the current prefix
+        total = n                              # candidates: live keys whose digits so far equal the prefix
+        prefix = tl.zeros((), tl.uint32)
+        if start + n <= BLOCK:                 # one tile: the keys stay in registers for every pass
+            key, live = _load_keys(row, offs, start, n, l_s1, cols)
+            for p in tl.static_range(PASSES):
+                if p == 0:
+                    hist = _digit_histogram(key, live, prefix, 32 - FIRST, FIRST, True)
+                    total, k, prefix = _radix_step(hist, BLOCK - total, total, k, prefix, FIRST)
+                else:
+                    hist = _digit_histogram(key, live, prefix, (PASSES - 1 - p) * RADIX, RADIX, False)
+                    total, k, prefix = _radix_step(hist, BLOCK - total, total, k, prefix, RADIX)
+            _select_store(key, offs - start, live, prefix, k, 0, 0, out_row, o_s1, TOPK)
+        else:                                  # a longer window: BLOCK-column tiles, once per pass
+            padded = tl.cdiv(start + n, BLOCK) * BLOCK
+            for p in tl.static_range(PASSES):
+                if p == 0:
+                    hist = _tiles_histogram(row, offs, start, n, l_s1, cols, prefix, 32 - FIRST, FIRST, True, BLOCK)
+                    total, k, prefix = _radix_step(hist, padded - total, total, k, prefix, FIRST)
+                else:
+                    hist = _tiles_histogram(row, offs, start, n, l_s1, cols, prefix, (PASSES - 1 - p) * RADIX,
+                                            RADIX, False, BLOCK)
+                    total, k, prefix = _radix_step(hist, padded - total, total, k, prefix, RADIX)
+            g_run = n * 0
+            e_run = n * 0
+            for c0 in range(0, start + n, BLOCK):
+                j = c0 + offs
+                key, live = _load_keys(row, j, start, n, l_s1, cols)
+                g_run, e_run = _select_store(key, j - start, live, prefix, k, g_run, e_run, out_row, o_s1, TOPK)
+
+
+LAUNCHER = FastLauncher(topk_per_row_kernel)
+
+
+# --- host-side planning (shared by the ops and the compile matrix) ----------------------------------------------
+def tile_for(n_cols: int) -> int:
+    """Columns per tile: the row width rounded up to a power of two, TILE_MIN..TILE_MAX (shape only)."""
+    return max(TILE_MIN, min(TILE_MAX, triton.next_power_of_2(max(1, n_cols))))
+
+
+def radix_bits(version: str = triton.__version__) -> int:
+    """Digit width of the radix select: 5 bits (6 passes, 128 then 32 bins) on every Triton version. Measured on an
+    H100 with Triton 3.6 (benchmarks/NOTES.md "Top-k"): decode 128 x 16384 took 35 us with 5-bit digits and 1.5 ms
+    with 10-bit ones (3.6 counts with warp ballots, at a cost that grows with the bin count). Triton 3.7+ counts
+    with shared-memory atomics, where wider digits could pay; that is not verified on a GPU here, so the measured
+    schedule is used everywhere. `version` is kept for the test of this rule."""
+    triton_minor(version)
+    return 5
+
+
+def num_warps(target: platform.Target, block: int) -> int:
+    """About PER_THREAD keys per lane, 1..MAX_WARPS[backend] warps (a power of two)."""
+    warps = max(1, block // (PER_THREAD * target.warp_size))
+    return min(MAX_WARPS.get(target.backend, 8), 1 << (warps.bit_length() - 1))
+
+
+def constexprs(mode: int, n_cols: int, topk: int, target: platform.Target) -> dict:
+    block = tile_for(n_cols)
+    return dict(MODE=mode, TOPK=topk, BLOCK=block, OUT_BLOCK=min(OUT_BLOCK_MAX, triton.next_power_of_2(topk)),
+                ALIGN=ALIGN, RADIX=radix_bits(), PDL=platform.supports_pdl(target), num_warps=num_warps(target, block))
+
+
+def runtime_args(n_cols: int, stride0: int, stride1: int, a_strides, b_s0: int, out_strides, next_n: int,
+                 n_seq: int) -> tuple:
+    """The int arguments after the 4 tensors (logits, a, b, topk_indices); a_strides = (a_s0, a_s1)."""
+    return (n_cols, stride0, stride1, a_strides[0], a_strides[1], b_s0, out_strides[0], out_strides[1], next_n,
+            n_seq)
+
+
+# --- compile matrix ---------------------------------------------------------------------------------------------
+def matrix_launch(target: platform.Target, mode: int, dtype=torch.float32, n_cols: int = 16384,
+                  topk: int = layout.INDEX_TOPK):
+    """What ops/topk.py passes to topk_per_row_kernel for a contiguous logits [rows, n_cols] of `dtype`, a
+    contiguous int32 topk_indices [rows, topk] and (decode) 64 requests with next_n 2."""
+    from .matrix import Ptr
+
+    meta = launch_options(constexprs(mode, n_cols, topk, target))
+    if mode == MODE_PREFILL:
+        ints = runtime_args(n_cols, n_cols, 1, (1, 0), 1, (topk, 1), 1, 0)
+    else:
+        ints = runtime_args(n_cols, n_cols, 1, (2, 1) if mode == MODE_DECODE_2D else (1, 0), 0, (topk, 1), 2, 64)
+    name = f"topk.{MODE_NAMES[mode]}.{str(dtype).split('.')[-1]}.k{topk}.tile{meta['BLOCK']}"
+    return name, (Ptr(dtype), Ptr(torch.int32), Ptr(torch.int32), Ptr(torch.int32)), ints, meta
+
+
+def matrix_cases(target: platform.Target) -> list:
+    """Every tile size (prefill, top-k 512); each mode at the 16384 tile; top-k 1024 and
+    2048 at the 16384 and 8192 tiles. Ints are representative (specialised only on == 1 and % 16)."""
+    from .matrix import dedupe, kernel_case
+
+    def case(launch):
+        name, tensors, ints, meta = launch
+        return kernel_case(target, name, topk_per_row_kernel, tensors, ints,
+                           {k: v for k, v in meta.items() if k != "launch_pdl"})
+
+    cases = []
+    tile = TILE_MIN
+    while tile <= TILE_MAX:
+        cases.append(case(matrix_launch(target, MODE_PREFILL, n_cols=tile)))
+        tile *= 2
+    for mode in (MODE_PREFILL, MODE_DECODE_2D, MODE_DECODE_1D):
+        cases.append(case(matrix_launch(target, mode)))
+    for topk in (1024, 2048):
+        for n_cols in (16384, 8192):
+            cases.append(case(matrix_launch(target, MODE_DECODE_1D, n_cols=n_cols, topk=topk)))
+    return dedupe(cases)
