@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine: `bash scripts/gpu_suite.sh` from the repo root, with $OUT set.
-# Writes: $OUT/env.txt, $OUT/gpu_tests.log, $OUT/gpu_tests_{attention,sparse_mla}_*.log, $OUT/bench.log,
+# Writes: $OUT/env.txt, $OUT/gpu_tests.log, $OUT/gpu_tests_<sharded file>_*.log, $OUT/bench.log,
 # $OUT/memcheck.log, $OUT/selfcheck.txt, $OUT/bench/bench_<family>.{json,png} for every family,
 # $OUT/bench/probe_launch.txt.
 # Runs the benchmarks even when tests fail; exits with pytest's status.
@@ -36,24 +36,26 @@ bench_rc=0
 
 if part tests; then
 echo "==== GPU tests ===="
-# The attention and sparse MLA tests compile hundreds of kernel specialisations: 8 shards each, in parallel
-# processes.
+# The attention and sparse MLA tests compile hundreds of kernel specialisations, and the indexer families check
+# benchmark-sized results against the CPU reference: SHARDS shards each, in parallel processes.
 SHARDS=8
-for file in attention sparse_mla; do
-  for k in $(seq 0 $((SHARDS - 1))); do
-    DSV4_TEST_SHARD=$k/$SHARDS timeout -k 10 300 python3 -m pytest -q tests/test_$file.py -p no:cacheprovider \
+SHARDED="attention sparse_mla topk indexer_q mqa_logits indexer_e2e"
+for file in $SHARDED; do
+  shards=$SHARDS; [[ $file == attention || $file == sparse_mla ]] || shards=2
+  for k in $(seq 0 $((shards - 1))); do
+    DSV4_TEST_SHARD=$k/$shards timeout -k 10 300 python3 -m pytest -q tests/test_$file.py -p no:cacheprovider \
       > "$OUT/gpu_tests_${file}_$k.log" 2>&1 &
   done
 done
 attention_rc=0
 for job in $(jobs -p); do wait "$job" || attention_rc=1; done
-for file in attention sparse_mla; do
-  for k in $(seq 0 $((SHARDS - 1))); do echo "$file shard $k: $(tail -n 1 "$OUT/gpu_tests_${file}_$k.log")"; done
+for file in $SHARDED; do
+  for log in "$OUT"/gpu_tests_"${file}"_[0-9]*.log; do echo "$(basename "$log" .log): $(tail -n 1 "$log")"; done
 done | tee "$OUT/gpu_tests_attention.log"
 # The compile matrix is a CPU-suite check with triton pinned to 3.9 (CI); the GPU image's triton 3.6
 # aborts inside LLVM on some AMD targets, which has nothing to do with the GPU run.
 timeout -k 10 360 python3 -m pytest -q tests -p no:cacheprovider -m "not slow" --durations=10 \
-  --ignore=tests/test_compile_matrix.py --ignore=tests/test_attention.py --ignore=tests/test_sparse_mla.py 2>&1 \
+  --ignore=tests/test_compile_matrix.py $(for file in $SHARDED; do echo "--ignore=tests/test_$file.py"; done) 2>&1 \
   | tee "$OUT/gpu_tests.log"
 test_rc=$?
 [ "$attention_rc" = 0 ] || test_rc=1
@@ -70,8 +72,9 @@ echo "==== hostile indices under compute-sanitizer memcheck ===="
 # No caching allocator: every tensor is its own allocation, so any out-of-bounds access is reported.
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_k_cache.py tests/test_sparse_index.py \
-  tests/test_metadata.py tests/test_attention.py tests/test_sparse_mla.py \
-  -k "hostile or matches_oracle or unused_pages or layout_variants or diffkv_exact or worked_example or stream_order or (auto_exact_whole_cache and nhd) or strides_differ or head_size_zero or bad_scale_tensors or kv_equals or prefill_sizes" \
+  tests/test_metadata.py tests/test_attention.py tests/test_sparse_mla.py tests/test_indexer.py \
+  tests/test_mqa_logits.py tests/test_topk.py tests/test_indexer_q.py \
+  -k "hostile or paged_logits or prefill_logits or prefill_random or decode_random or explicit_strides or pack_unpack_exact or unpack_lengths_past or q_exact or matches_oracle or unused_pages or layout_variants or diffkv_exact or worked_example or stream_order or (auto_exact_whole_cache and nhd) or strides_differ or head_size_zero or bad_scale_tensors or kv_equals or prefill_sizes" \
   > "$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$? ($(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log"))"
 fi

@@ -28,6 +28,11 @@ import pytest  # noqa: E402
 import torch_dsv4_ops  # noqa: E402,F401  (registers the ops)
 
 GPU = torch.cuda.is_available()
+MATRIX_TESTS = "test_compile_matrix.py"
+
+
+def _is_matrix_test(item) -> bool:
+    return item.path.name == MATRIX_TESTS
 DEVICES = ["cuda"] if GPU else ["cpu"]
 
 
@@ -36,6 +41,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not GPU:
             item.add_marker(skip_gpu)
+    # the compile-matrix tests last: they wait for the matrix started in the background at collection
+    items.sort(key=_is_matrix_test)
     # DSV4_TEST_SHARD=k/n keeps every n-th test from the k-th: scripts/gpu_suite.sh runs the attention
     # tests as parallel shards (their Triton compiles dominate, and each process compiles on its own core)
     shard = os.environ.get("DSV4_TEST_SHARD")
@@ -45,13 +52,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MATRIX_TESTS = "tests/test_compile_matrix.py"
 
 
 class MatrixRun:
-    """The compile matrix CLI (`python -m torch_dsv4_ops.compile_matrix --json`) in a subprocess without
-    TRITON_INTERPRET. It starts as soon as collection finds a compile-matrix test, so its compiles overlap
-    the interpreter tests instead of following them (CI has 2 cores; each side mostly keeps one busy)."""
+    """The compile matrix CLI (`python -m torch_dsv4_ops.compile_matrix --scope ci --json`) in a subprocess
+    without TRITON_INTERPRET. It starts as soon as collection finds a compile-matrix test, so its compiles
+    overlap the interpreter tests instead of following them (CI has 2 cores), and the compile-matrix tests run
+    last (`pytest_collection_modifyitems`)."""
 
     def __init__(self):
         self.dir = tempfile.TemporaryDirectory(prefix="dsv4_matrix_")
@@ -59,8 +66,8 @@ class MatrixRun:
         self.log = open(pathlib.Path(self.dir.name) / "matrix.log", "w+")
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "torch_dsv4_ops.compile_matrix", "--quiet", "--json",
-                                      str(self.json)], cwd=ROOT, env=env, stdout=self.log,
+        self.proc = subprocess.Popen([sys.executable, "-m", "torch_dsv4_ops.compile_matrix", "--quiet", "--scope",
+                                      "ci", "--json", str(self.json)], cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, text=True)
 
     def result(self, timeout: float = 1500) -> dict:
@@ -83,7 +90,7 @@ class MatrixRun:
 
 
 def pytest_collection_finish(session):
-    if any(item.nodeid.startswith(MATRIX_TESTS) for item in session.items):
+    if any(_is_matrix_test(item) for item in session.items):
         session.config.dsv4_matrix = MatrixRun()
 
 

@@ -89,16 +89,17 @@ class Step:
 
     # --- the oracle's view of the data ---------------------------------------------------------------------
     def key_rows(self, r: int) -> torch.Tensor:
-        """float64 [seq_r // 4, 128]: request r's dequantised compressed K rows, read from the cache bytes."""
-        cache = self.cache.cpu()
-        out = []
-        for c in range(self.seq[r] // RATIO):
-            blk, off = int(self.table[r, c // BS]), c % BS
-            pg = cache[blk].flatten()
-            codes = pg[off * D:(off + 1) * D].view(torch.float8_e4m3fn).double()
-            scale = pg[BS * D + 4 * off:BS * D + 4 * off + 4].view(torch.float32).double()
-            out.append(codes * scale)
-        return torch.stack(out) if out else torch.zeros(0, D, dtype=torch.float64)
+        """float64 [seq_r // 4, 128]: request r's dequantised compressed K rows, read from the cache bytes (cached)."""
+        if not hasattr(self, "_rows"):
+            self._rows, self._pages = {}, self.cache.cpu().flatten(1)
+        if r not in self._rows:
+            c = torch.arange(self.seq[r] // RATIO)
+            pages = self._pages[self.table[r, c // BS].long()]                       # [n, page bytes]
+            off = (c % BS)[:, None]
+            codes = pages.gather(1, off * D + torch.arange(D)).view(torch.float8_e4m3fn).double()
+            scale = pages.gather(1, BS * D + 4 * off + torch.arange(4)).contiguous().view(torch.float32).double()
+            self._rows[r] = codes * scale
+        return self._rows[r]
 
     def oracle_logits(self, q_fp8, weights, token: int, request: int, visible: int) -> torch.Tensor:
         """float64 [visible]: sum_h w[h] relu(<q[h], k[n]>) * scale[n] over the first `visible` keys."""

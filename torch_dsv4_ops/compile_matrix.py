@@ -2,13 +2,17 @@
 `platform.MATRIX_TARGETS`, with `triton.compile` on a machine without a GPU.
 
     python -m torch_dsv4_ops.compile_matrix [--json PATH] [--targets sm_80 gfx942 ...] [--filter REGEX]
-                                            [--jobs N] [--cache-dir DIR] [--quiet]
+                                            [--scope full|ci] [--jobs N] [--cache-dir DIR] [--quiet]
 
 Each kernel module listed in `MATRIX_MODULES` provides `matrix_cases(target) -> list[KernelCase]`
 (kernels/matrix.py). Every case is compiled to PTX+cubin (CUDA) or AMDGCN+hsaco (HIP) in a process
 pool; the fp8 conversion instructions of each result are recorded, so tests can check which fp8 path
 (hardware casts or the software codec) each target really compiled. A probe also compiles the
 hardware fp8 casts alone for each format and target, to check `platform.native_fp8` against Triton.
+
+`--scope ci` (what the CPU suite runs, within CI's time budget) compiles every case on the targets of
+`CI_FULL_TARGETS` and, on the other targets, every case of `CI_FULL_MODULES` plus the first case of every other
+kernel function; `--scope full` (the default, `make compile-matrix`) compiles every case on every target.
 
 Triton must not run in interpreter mode here: the CLI re-executes itself without TRITON_INTERPRET.
 Exit status 1 if any case fails, or a format that `platform.native_fp8` calls native fails the probe.
@@ -48,6 +52,13 @@ MATRIX_MODULES = (
     "torch_dsv4_ops.kernels.mqa_logits",
     "torch_dsv4_ops.kernels.topk",
 )
+
+# --scope ci: every case on these targets (one per distinct code path: no fp8, Hopper, Blackwell, FNUZ MI300,
+# OCP MI350), and on the others (sm_86, sm_89, sm_120, gfx90a) every flash-cache case (whose codecs the tests check
+# per target) and one case of every other kernel.
+CI_FULL_TARGETS = ("sm_80", "sm_90", "sm_100", "gfx942", "gfx950")
+CI_FULL_MODULES = ("torch_dsv4_ops.kernels.cache",)
+SCOPES = ("full", "ci")
 
 _FP8_INSTRUCTION = {
     "cuda": re.compile(r"\bcvt\.[\w.]*?(?:e4m3|e5m2)x2[\w.]*"),
@@ -169,10 +180,23 @@ def probe_fp8(target: str, fmt_code: int, encode: bool) -> dict:
 
 # --- runner ------------------------------------------------------------------------------------
 
-def _tasks(targets, pattern: str | None = None) -> list[tuple[str, str, str]]:
+def scoped_cases(module: str, target: platform.Target, scope: str = "full") -> list[str]:
+    """Names of the cases of `module` that `scope` compiles on `target` (see the module docstring)."""
+    cases = module_cases(module, target)
+    if scope == "full" or target_name(target) in CI_FULL_TARGETS or module in CI_FULL_MODULES:
+        return list(cases)
+    first = {}
+    for name, case in cases.items():
+        first.setdefault(case.fn.__name__, name)
+    return list(first.values())
+
+
+def _tasks(targets, pattern: str | None = None, scope: str = "full") -> list[tuple[str, str, str]]:
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     match = re.compile(pattern).search if pattern else (lambda name: True)
-    return [(module, target_name(t), name)
-            for t in targets for module in MATRIX_MODULES for name in module_cases(module, t) if match(name)]
+    return [(module, target_name(t), name) for t in targets for module in MATRIX_MODULES
+            for name in scoped_cases(module, t, scope) if match(name)]
 
 
 def default_jobs() -> int:
@@ -181,14 +205,15 @@ def default_jobs() -> int:
     return max(1, min(cpus, 16))
 
 
-def run_matrix(targets=platform.MATRIX_TARGETS, jobs: int | None = None, pattern: str | None = None):
-    """Compile every case (whose name matches the regex `pattern`) for every target in a process pool
-    of `jobs` workers (default: `default_jobs()`); returns (case results, fp8 probe results).
+def run_matrix(targets=platform.MATRIX_TARGETS, jobs: int | None = None, pattern: str | None = None,
+               scope: str = "full"):
+    """Compile every case of `scope` (whose name matches the regex `pattern`) for every target in a process
+    pool of `jobs` workers (default: `default_jobs()`); returns (case results, fp8 probe results).
 
     The Triton cache directory in the environment is used as is (the CLI points it at a fresh
     temporary directory, so every case really compiles).
     """
-    tasks = _tasks(targets, pattern)
+    tasks = _tasks(targets, pattern, scope)
     if not tasks:
         raise ValueError(f"no matrix case matches {pattern!r}")
     probes = [(target_name(t), f.code, enc) for t in targets for f in layout.FP8_FORMATS for enc in (True, False)]
@@ -244,6 +269,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write every result (and the fp8 probe) as JSON")
     parser.add_argument("--targets", nargs="+", choices=list(TARGETS_BY_NAME), default=list(TARGETS_BY_NAME))
     parser.add_argument("--filter", metavar="REGEX", help="only the cases whose name matches REGEX")
+    parser.add_argument("--scope", choices=SCOPES, default="full",
+                        help="full: every case on every target; ci: the CPU suite's subset (module docstring)")
     parser.add_argument("--jobs", type=int, default=default_jobs(), help="worker processes (default: usable CPUs)")
     parser.add_argument("--cache-dir", help="Triton cache directory (default: a fresh temporary one)")
     parser.add_argument("--quiet", action="store_true", help="print only failures and the summary")
@@ -255,13 +282,13 @@ def main(argv=None) -> int:
         os.environ["TRITON_CACHE_DIR"] = args.cache_dir or tmp
         jobs = max(1, args.jobs)
         start = time.perf_counter()
-        results, probes = run_matrix(targets, jobs, args.filter)
+        results, probes = run_matrix(targets, jobs, args.filter, args.scope)
         wall = time.perf_counter() - start
     _print_report(results, probes, wall, jobs, args.quiet)
     if args.json:
         import torch
         payload = dict(triton=triton.__version__, torch=torch.__version__, jobs=jobs, wall_seconds=wall,
-                       targets=args.targets, modules=list(MATRIX_MODULES),
+                       targets=args.targets, scope=args.scope, modules=list(MATRIX_MODULES),
                        results=[dataclasses.asdict(r) for r in results], fp8_probe=probes)
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
