@@ -5,15 +5,14 @@ definitions, the UE8M0 exponent from `fractions`, `struct` for the fp32 scale by
 `lookup`); the package's reference is compared against it like the kernel, never used as an oracle
 (except on the GPU-only benchmark-sized case, which SPEC §5 compares against the reference).
 """
-import bisect
 import math
 import struct
-from fractions import Fraction
 
 import pytest
 import torch
 
 import torch_dsv4_ops as d
+from oracles import FMT, oracle_exponent, oracle_lookup
 from torch_dsv4_ops import layout
 from torch_dsv4_ops.kernels import indexer as kernels
 from torch_dsv4_ops.testing import (assert_bitwise_equal, check_compile, check_cuda_graph, implementation,
@@ -37,55 +36,7 @@ def page_stride(bs: int, kind: str) -> int:
             "plus4": bs * TOKEN_BYTES + 4}[kind]
 
 
-# --- independent oracle ---------------------------------------------------------------------------------
-class E4M3:
-    """e4m3 from its definition: OCP e4m3fn (bias 7, 0x7F/0xFF NaN, -0 = 0x80) or FNUZ e4m3fnuz (bias 8,
-    0x80 the only NaN, no -0); encode = clamp to the UE8M0 recipe's FP8_MAX (448 / 224), then RNE."""
-
-    def __init__(self, fnuz: bool):
-        self.fnuz = fnuz
-        self.bias = 8 if fnuz else 7
-        self.fp8_max = 224.0 if fnuz else 448.0
-        self.nan = 0x80 if fnuz else 0x7F
-        self.values = [self.decode(c) for c in range(0x80 if fnuz else 0x7F)]   # code i >= 0 has value values[i]
-        assert all(a < b for a, b in zip(self.values, self.values[1:]))
-        assert self.fp8_max in self.values
-
-    def decode(self, code: int) -> float:
-        if (self.fnuz and code == 0x80) or (not self.fnuz and code & 0x7F == 0x7F):
-            return math.nan
-        e, m = (code >> 3) & 0xF, code & 7
-        mag = m / 8 * 2.0 ** (1 - self.bias) if e == 0 else (1 + m / 8) * 2.0 ** (e - self.bias)
-        return -mag if code & 0x80 else mag
-
-    def encode(self, v: float) -> int:
-        if math.isnan(v):
-            return self.nan                     # one NaN code whatever the sign (docs/ops/k_cache.md §6.1)
-        a = min(abs(v), self.fp8_max)
-        i = bisect.bisect_left(self.values, a)
-        if self.values[i] != a:
-            mid = (self.values[i - 1] + self.values[i]) / 2      # exact: dyadic values
-            i = i - 1 if a < mid or (a == mid and (i - 1) % 2 == 0) else i   # ties to the even mantissa
-        if math.copysign(1.0, v) < 0:
-            return 0 if (self.fnuz and i == 0) else i | 0x80
-        return i
-
-
-FMT = {False: E4M3(False), True: E4M3(True)}
-FP32_FLOOR = Fraction(struct.unpack("<f", struct.pack("<f", 1e-4))[0])
-FP32_MAX = Fraction(struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0])
-
-
-def oracle_exponent(amax: float, fp8_max: float) -> int:
-    """The smallest integer e with FP8_MAX * 2**e >= a, a = max(amax, fp32(1e-4)) (inf: the largest fp32)."""
-    a = FP32_MAX if math.isinf(amax) else max(Fraction(amax), FP32_FLOOR)
-    e = math.floor(math.log2(float(a) / fp8_max)) - 3
-    assert Fraction(fp8_max) * Fraction(2) ** e < a
-    while Fraction(fp8_max) * Fraction(2) ** e < a:
-        e += 1
-    return e
-
-
+# --- independent oracle (tests/oracles.py: e4m3, the UE8M0 exponent, lookup) ---------------------------
 def oracle_row(vals: list, fnuz: bool) -> tuple[list, list, int]:
     """(128 fp8 codes, the 4 little-endian bytes of fp32 2**e, e) of one K row given as Python floats."""
     fmt = FMT[fnuz]
@@ -109,19 +60,6 @@ def oracle_insert(base: torch.Tensor, lead: int, nb: int, bs: int, stride: int, 
         out[page + off * DIM:page + (off + 1) * DIM] = torch.tensor(codes, dtype=torch.uint8)
         out[page + bs * DIM + 4 * off:page + bs * DIM + 4 * off + 4] = torch.tensor(scale, dtype=torch.uint8)
     return out
-
-
-def oracle_lookup(table: list, b: int, c: int, bs: int, nb: int) -> int:
-    """SPEC §0 lookup with the cache's num_blocks."""
-    if not 0 <= b < len(table) or c < 0:
-        return -1
-    col = c // bs
-    if col >= len(table[b]):
-        return -1
-    blk = table[b][col]
-    if blk < 0 or blk >= nb:
-        return -1
-    return blk * bs + c % bs
 
 
 def oracle_gather(base, lead, nb, bs, stride, table: list, cu: list, dk: torch.Tensor, ds: torch.Tensor):

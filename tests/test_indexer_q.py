@@ -6,7 +6,6 @@ the UE8M0 exponent as the smallest e with FP8_MAX * 2**e >= a, and list-based pa
 package's reference is checked against the oracle like the kernel, never used as one (except on GPU-only
 benchmark-sized cases and for NaN/inf rows, where the literal codes are asserted too).
 """
-import bisect
 import math
 import struct
 from fractions import Fraction
@@ -14,6 +13,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from oracles import FMT, oracle_exponent
 from torch_dsv4_ops import layout
 from torch_dsv4_ops.kernels import indexer_q as kernels
 from torch_dsv4_ops.ops import indexer_q as ops
@@ -71,47 +71,6 @@ def ieee_add(a: float, b: float) -> float:
     if s == 0:
         return -0.0 if (math.copysign(1, a) < 0 and math.copysign(1, b) < 0) else 0.0
     return f32(s)
-
-
-class E4M3:
-    """e4m3 from its definition: OCP e4m3fn (bias 7, NaN 0x7F, -0 = 0x80) or FNUZ e4m3fnuz (bias 8, NaN 0x80, no
-    -0); encode = clamp to the UE8M0 recipe's FP8_MAX (448 / 224), then RNE; NaN -> the positive NaN code."""
-
-    def __init__(self, fnuz: bool):
-        self.fnuz, self.bias = fnuz, (8 if fnuz else 7)
-        self.fp8_max, self.nan = (224.0, 0x80) if fnuz else (448.0, 0x7F)
-        self.values = [self.decode(c) for c in range(0x80 if fnuz else 0x7F)]
-
-    def decode(self, code: int) -> float:
-        e, m = (code >> 3) & 0xF, code & 7
-        mag = m / 8 * 2.0 ** (1 - self.bias) if e == 0 else (1 + m / 8) * 2.0 ** (e - self.bias)
-        return -mag if code & 0x80 else mag
-
-    def encode(self, v: float) -> int:
-        if math.isnan(v):
-            return self.nan
-        a = min(abs(v), self.fp8_max)
-        i = bisect.bisect_left(self.values, a)
-        if self.values[i] != a:
-            mid = (self.values[i - 1] + self.values[i]) / 2
-            i = i - 1 if a < mid or (a == mid and (i - 1) % 2 == 0) else i
-        if math.copysign(1.0, v) < 0:
-            return 0 if (self.fnuz and i == 0) else i | 0x80
-        return i
-
-
-FMT = {False: E4M3(False), True: E4M3(True)}
-FP32_FLOOR = Fraction(struct.unpack("<f", struct.pack("<f", 1e-4))[0])
-FP32_MAX = Fraction(struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0])
-
-
-def oracle_exponent(amax: float, fp8_max: float) -> int:
-    """The smallest integer e with FP8_MAX * 2**e >= max(amax, fp32(1e-4)) (inf counts as the largest fp32)."""
-    a = FP32_MAX if math.isinf(amax) else max(Fraction(amax), FP32_FLOOR)
-    e = -200
-    while Fraction(fp8_max) * Fraction(2) ** e < a:
-        e += 1
-    return e
 
 
 def oracle_q(pos: list, q: list, cs: list, w: list, softmax_scale: float, head_scale: float, fnuz: bool):

@@ -10,6 +10,7 @@ import struct
 import pytest
 import torch
 
+from oracles import oracle_lookup
 from torch_dsv4_ops import layout
 from torch_dsv4_ops.kernels import mqa_logits as kernels
 from torch_dsv4_ops.ops import mqa_logits as ops
@@ -62,17 +63,6 @@ def oracle_prefill(q, k, k_scale, w, ks, ke, q_fnuz=False, k_fnuz=False):
         hi = min(max(b, lo), n)
         defined[i, lo:hi] = True
     return torch.where(defined, logits, torch.full_like(logits, NINF)), defined
-
-
-def oracle_lookup(table: list, b: int, c: int, bs: int, nb: int) -> int:
-    """SPEC §0 lookup with the cache's num_blocks."""
-    if not 0 <= b < len(table) or c < 0:
-        return -1
-    col = c // bs
-    if col >= len(table[b]):
-        return -1
-    blk = table[b][col]
-    return -1 if blk < 0 or blk >= nb else blk * bs + c % bs
 
 
 def oracle_paged(q, flat: torch.Tensor, lead: int, nb: int, bs: int, stride: int, w, lens, table, max_len, fnuz):

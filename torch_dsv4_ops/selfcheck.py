@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from . import library, platform, testing
+from . import layout, library, platform, testing
 from .testing import as_bytes
 
 
@@ -103,6 +103,7 @@ def run(device: torch.device | None = None) -> list[Row]:
                 t = _time_us(lambda: card.op(*dev_args), device)
             rows.append(Row(name, label, str(device), impl, error, t, ok))
     rows.append(metadata_step(device))
+    rows.append(indexer_decode_step(device))
     return rows
 
 
@@ -165,6 +166,88 @@ def metadata_step(device: torch.device) -> Row:
         t = _time_us(lambda: (swa.build(batches[0]), indexer.build(batches[1])), device)
     return Row("metadata step (SWA + indexer builders)", "6 MTP decodes + prefills of 37 and 300", str(device),
                f"{implementation_name(device)} vs torch reference (cpu)", error, t, error == "exact")
+
+
+INDEXER_STEP_SEQ = (600, 1100, 2100, 4000)     # 4 MTP decodes: compressed contexts 150 .. 1000 (top-k 512)
+
+
+def _indexer_chain(device, batch, k_rows, index_q, cos_sin, weights, num_blocks, heads):
+    """The indexer decode chain of one step on `device` (the current implementation): K rows into a fresh cache,
+    queries quantised, decode metadata built, paged logits. Returns (cache, q_fp8, weights_out, logits, decode)."""
+    from . import ops
+    from .metadata import IndexerMetadataBuilder
+
+    bs = layout.COMPRESSED_KERNEL_BLOCK // 4
+    page = layout.indexer_block_bytes(bs)
+    raw = torch.zeros(num_blocks, layout.round_up(page, layout.PAGE_ALIGN), dtype=torch.uint8, device=device)
+    cache = raw[:, :page].view(num_blocks, bs, layout.INDEXER_TOKEN_BYTES)
+    ops.indexer.indexer_k_quant_and_cache(k_rows.to(device), cache, torch.arange(num_blocks * bs, device=device),
+                                          layout.INDEXER_QUANT_BLOCK, layout.INDEXER_SCALE_FMT)
+    q8, w = ops.indexer_q.fused_indexer_q_rope_quant(batch.positions, index_q.to(device), cos_sin.to(device),
+                                                     weights.to(device), layout.INDEXER_DIM ** -0.5, heads ** -0.5)
+    builder = IndexerMetadataBuilder(max_num_batched_tokens=batch.slot_mapping.shape[0], max_num_seqs=8,
+                                     block_table_width=batch.block_table.shape[1], max_model_len=8192,
+                                     compress_ratio=4, num_speculative_tokens=1, device=device)
+    dec = builder.build(batch).decode
+    nd, n = dec.seq_lens.shape
+    logits = ops.mqa_logits.fp8_fp4_paged_mqa_logits(
+        (q8.view(nd, n, heads, layout.INDEXER_DIM), None), cache.view(num_blocks, bs, 1, -1), w, dec.seq_lens,
+        dec.block_table, dec.schedule_metadata, 8192 // 4, True)
+    return cache, q8, w, logits, dec
+
+
+def indexer_decode_step(device: torch.device) -> Row:
+    """One indexer decode step (4 MTP decodes, next_n 2) on `device`: K rows written by indexer_k_quant_and_cache,
+    queries by fused_indexer_q_rope_quant, IndexerMetadataBuilder's decode metadata, fp8_fp4_paged_mqa_logits and
+    top_k_per_row_decode (k 512), against the same chain on the CPU reference: cache, q codes and weights exact,
+    logits within 1e-3 of each row's max |logit| (SPEC §3.9), the top-k of the device's logits exact."""
+    from . import ops
+
+    heads = layout.INDEXER_HEADS if device.type == "cuda" else 16      # the interpreter is slow
+    g = torch.Generator().manual_seed(11)
+    num_blocks = 64
+    batches = {dev: testing.metadata_step_batches(dev, [2] * len(INDEXER_STEP_SEQ), INDEXER_STEP_SEQ, 8192,
+                                                  torch.Generator().manual_seed(12), max_block=num_blocks)[1]
+               for dev in {"cpu", str(device)}}
+    k_rows = (torch.randn(num_blocks * 64, layout.INDEXER_DIM, generator=g) * 4).to(torch.bfloat16)
+    index_q = torch.randn(2 * len(INDEXER_STEP_SEQ), heads, layout.INDEXER_DIM, generator=g).to(torch.bfloat16)
+    angles = torch.rand(8192, layout.INDEXER_ROPE_PAIRS, generator=g) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    weights = torch.randn(2 * len(INDEXER_STEP_SEQ), heads, generator=g)
+    args = (k_rows, index_q, cos_sin, weights, num_blocks, heads)
+    with library.cpu_implementation("reference"):
+        want = _indexer_chain("cpu", batches["cpu"], *args)
+    def kernels():
+        return library.cpu_implementation("triton") if device.type == "cpu" and platform.INTERPRET \
+            else contextlib.nullcontext()
+
+    with kernels():
+        got = _indexer_chain(device, batches[str(device)], *args)
+    errors = [_compare(g_, w_) for g_, w_ in zip(got[:3], want[:3])]
+    logits, ref = got[3].cpu().double(), want[3].double()
+    finite = ref.isfinite()
+    row_max = torch.where(finite, ref.abs(), torch.zeros_like(ref)).amax(1, keepdim=True)
+    bad = torch.where(finite, (logits - ref).abs() > 1e-3 * row_max, logits != ref)
+    errors.append("exact" if not bad.any() else f"{int(bad.sum())} logits off")
+    dec, rows = got[4], got[3].shape[0]
+
+    def topk(logits_, seq_lens, out):
+        ops.topk.top_k_per_row_decode(logits_, 2, seq_lens, out, rows, logits_.stride(0), logits_.stride(1),
+                                      layout.INDEX_TOPK)
+        return out
+
+    with kernels():
+        idx = topk(got[3], dec.seq_lens, torch.full((rows, layout.INDEX_TOPK), -7, dtype=torch.int32, device=device))
+        t = _time_us(lambda: (_indexer_chain(device, batches[str(device)], *args), topk(
+            got[3], dec.seq_lens, idx)), device, repeats=5)
+    with library.cpu_implementation("reference"):
+        ref_idx = topk(got[3].cpu(), dec.seq_lens.cpu(), torch.full((rows, layout.INDEX_TOPK), -7, dtype=torch.int32))
+    errors.append(_compare(idx, ref_idx))
+    ok = all(e == "exact" for e in errors)
+    error = "exact (logits within 1e-3 of the row max)" if ok else "; ".join(e for e in errors if e != "exact")
+    return Row("indexer decode step (insert, Q quant, builder, paged logits, top-k 512)",
+               f"4 MTP decodes, contexts {INDEXER_STEP_SEQ[0]}..{INDEXER_STEP_SEQ[-1]}, {heads} heads", str(device),
+               f"{implementation_name(device)} vs torch reference (cpu)", error, t, ok)
 
 
 def format_table(rows: list[Row]) -> str:
