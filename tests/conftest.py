@@ -28,12 +28,12 @@ import pytest  # noqa: E402
 import torch_dsv4_ops  # noqa: E402,F401  (registers the ops)
 
 GPU = torch.cuda.is_available()
+DEVICES = ["cuda"] if GPU else ["cpu"]
 MATRIX_TESTS = "test_compile_matrix.py"
 
 
 def _is_matrix_test(item) -> bool:
     return item.path.name == MATRIX_TESTS
-DEVICES = ["cuda"] if GPU else ["cpu"]
 
 
 def pytest_collection_modifyitems(config, items):
