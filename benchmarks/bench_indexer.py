@@ -27,7 +27,6 @@ HEADLINE_T = 65536
 GATHER = (16, 16384)          # 16 requests x 16384 compressed entries (a 64K-token context)
 CPU_GATHER = (2, 100)
 INSERT_TARGET_PCT = 80.0
-GRAPH_MAX_BYTES = 64 * harness.MiB   # smaller cases are timed by CUDA-graph replay
 PAGE = layout.round_up(layout.indexer_block_bytes(BS), layout.PAGE_ALIGN)
 
 
@@ -117,9 +116,7 @@ def build_gather(s: Spec, device) -> harness.Workload:
 
 def _case(s: Spec) -> harness.Case:
     build = build_insert if s.op == "insert" else build_gather
-    small = s.bytes_per_call() <= GRAPH_MAX_BYTES
-    return harness.Case(name=s.name, build=lambda device: build(s, device), params=s.params(),
-                        method="graph" if small else "do_bench", series=None, crosscheck_graph=not small)
+    return harness.sized_case(s.name, lambda device: build(s, device), s.params(), s.bytes_per_call())
 
 
 def cases(quick: bool, device: torch.device) -> list[harness.Case]:

@@ -34,7 +34,6 @@ HEADLINE_T = 65536
 SEQ = (1024, 2)                # decode requests x next_n
 CPU_SEQ = (8, 2)
 Q_TARGET_PCT = 80.0
-GRAPH_MAX_BYTES = 64 * harness.MiB   # smaller cases are timed by CUDA-graph replay
 CHECK_TOKENS = 2048                  # tokens compared with the reference after timing
 
 
@@ -153,10 +152,8 @@ def build_seq(s: Spec, device) -> harness.Workload:
 
 def _case(s: Spec) -> harness.Case:
     build = build_q if s.op == "q" else build_seq
-    small = s.bytes_per_call() <= GRAPH_MAX_BYTES
-    return harness.Case(name=s.name, build=lambda device: build(s, device), params=s.params(),
-                        method="graph" if small else "do_bench", series="q" if s.op == "q" else None,
-                        crosscheck_graph=not small)
+    return harness.sized_case(s.name, lambda device: build(s, device), s.params(), s.bytes_per_call(),
+                              series="q" if s.op == "q" else None)
 
 
 def cases(quick: bool, device: torch.device) -> list[harness.Case]:

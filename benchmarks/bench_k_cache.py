@@ -32,7 +32,6 @@ CPU_GATHER = ((2, 64), (4, 128))
 BW_TARGET_PCT = 80.0
 WINDOW_TARGET_US = 3.0
 BS = layout.SWA_BLOCK_SIZE
-GRAPH_MAX_BYTES = 64 * harness.MiB   # smaller cases are timed by CUDA-graph replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,10 +138,8 @@ def build_gather(s: Spec, device) -> harness.Workload:
 
 def _case(s: Spec, series: bool) -> harness.Case:
     build = build_insert if s.op == "insert" else build_gather
-    small = s.bytes_per_call() <= GRAPH_MAX_BYTES
-    return harness.Case(name=s.name, build=lambda device: build(s, device), params=s.params(),
-                        method="graph" if small else "do_bench", series=s.series if series else None,
-                        crosscheck_graph=not small)
+    return harness.sized_case(s.name, lambda device: build(s, device), s.params(), s.bytes_per_call(),
+                              series=s.series if series else None)
 
 
 def cases(quick: bool, device: torch.device) -> list[harness.Case]:

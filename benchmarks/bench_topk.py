@@ -28,7 +28,6 @@ CPU_DECODE = (4, 2048)
 CPU_PREFILL = (8, 1024)
 DECODE_TARGET_US = 15.0
 PREFILL_TARGET_X = 2.0
-GRAPH_MAX_BYTES = 64 * harness.MiB   # smaller cases are timed by CUDA-graph replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +100,7 @@ def build(s: Spec, device) -> harness.Workload:
 
 
 def _case(s: Spec) -> harness.Case:
-    small = s.rows * s.cols * 4 <= GRAPH_MAX_BYTES
-    return harness.Case(name=s.name, build=lambda device: build(s, device), params=s.params(),
-                        method="graph" if small else "do_bench", series=None, crosscheck_graph=not small)
+    return harness.sized_case(s.name, lambda device: build(s, device), s.params(), s.rows * s.cols * 4)
 
 
 def cases(quick: bool, device: torch.device) -> list[harness.Case]:

@@ -82,6 +82,18 @@ class Case:
     crosscheck_graph: bool = False
 
 
+GRAPH_MAX_BYTES = 64 * MiB     # sized_case: smaller cases are timed by CUDA-graph replay
+
+
+def sized_case(name: str, build: Callable[[torch.device], Workload], params: dict, nbytes: int,
+               series: str | None = None) -> Case:
+    """A case timed by CUDA-graph replay when one call moves at most GRAPH_MAX_BYTES (launch time would
+    dominate do_bench), else by do_bench with a graph-replay cross-check."""
+    small = nbytes <= GRAPH_MAX_BYTES
+    return Case(name=name, build=build, params=params, method="graph" if small else "do_bench", series=series,
+                crosscheck_graph=not small)
+
+
 def rotation_sets(set_bytes: int, device: torch.device, cap: int = GRAPH_CALLS) -> int:
     """How many input sets of `set_bytes` to rotate through so that together they exceed L2.
 

@@ -29,8 +29,8 @@ from torch_dsv4_ops.metadata import BatchDescription, IndexerMetadataBuilder
 from torch_dsv4_ops.testing import check_cuda_graph, implementation, nonzero_share
 
 RATIO = 4
-BS = 64                        # compressed entries per indexer page (storage block)
-TOKENS_PER_BLOCK = BS * RATIO  # uncompressed positions per block-table entry
+TOKENS_PER_BLOCK = layout.COMPRESSED_KERNEL_BLOCK   # uncompressed positions per block-table entry
+BS = TOKENS_PER_BLOCK // RATIO                      # compressed entries per indexer page (storage block)
 D = layout.INDEXER_DIM
 IMPLS = ["reference", "kernel"]
 

@@ -118,12 +118,17 @@ def run_opcheck(op, args: Sequence, *, layouts: Iterable[str] = ("contiguous", "
 
 # --- torch.compile ------------------------------------------------------------------------------
 def check_compile(fn: Callable, inputs: Sequence[Sequence], *, backend: str = "inductor",
-                  compare: Callable | None = None) -> int:
+                  compare: Callable | None = None, kernels: Sequence = (), new_kernels: int = 0) -> int:
     """Compile `fn` with fullgraph=True, dynamic=True; call it on each input tuple (different token
     counts); assert one graph compiled in all (no recompiles, no graph breaks: fullgraph raises)
-    and the results equal eager's. Inputs are cloned per run. Returns the frame count.
+    and the results equal eager's. Inputs are cloned per run. With `kernels` (@triton.jit functions) and
+    a GPU, also assert that each gained at most `new_kernels` compiled specialisations over the calls.
+    Returns the frame count.
     """
     from torch._dynamo.testing import CompileCounterWithBackend
+
+    counted = list(kernels) if torch.cuda.is_available() else []
+    before = [triton_cache_entries(k) for k in counted]
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
@@ -137,6 +142,9 @@ def check_compile(fn: Callable, inputs: Sequence[Sequence], *, backend: str = "i
     if counter.frame_count != 1:
         raise AssertionError(f"expected one compiled graph across {len(inputs)} input sizes, "
                              f"got {counter.frame_count} (recompiles)")
+    grown = {k.__name__: triton_cache_entries(k) - b for k, b in zip(counted, before)}
+    if any(n > new_kernels for n in grown.values()):
+        raise AssertionError(f"new Triton compilations (at most {new_kernels} per kernel): {grown}")
     return counter.frame_count
 
 

@@ -36,6 +36,17 @@ def check_int32_extent(name: str, t: torch.Tensor, first_dim: int = 1) -> None:
         raise NotImplementedError(f"{name}: one page/row spans {extent} elements, over int32 offsets")
 
 
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def check_float(name: str, value) -> None:
+    """A float argument (an int is accepted; a SymFloat while torch.compile traces)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.SymFloat)):
+        raise ValueError(f"{name} must be a float, got {value!r}")
+
+
 def check_int(name: str, value, lo: int) -> None:
     """An int argument >= lo; a SymInt (torch.compile tracing) is accepted unchecked."""
     if isinstance(value, torch.SymInt):

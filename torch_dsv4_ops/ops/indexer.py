@@ -12,7 +12,7 @@ from .. import layout, platform
 from ..kernels import indexer as kernels
 from ..library import register_op
 from ..reference import indexer as reference
-from ._checks import check_tensor
+from ._checks import check_bool, check_tensor
 from ._plans import MISSING, PlanCache, signature
 
 SLOT_DTYPES = (torch.int64, torch.int32)
@@ -61,8 +61,7 @@ def check_insert(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, use_fnu
                          f"{quant_block_size!r}")
     if scale_fmt != layout.INDEXER_SCALE_FMT:
         raise ValueError(f"scale_fmt must be {layout.INDEXER_SCALE_FMT!r}, got {scale_fmt!r}")
-    if not isinstance(use_fnuz, bool):
-        raise ValueError(f"use_fnuz must be a bool, got {use_fnuz!r}")
+    check_bool("use_fnuz", use_fnuz)
     return geometry
 
 

@@ -14,7 +14,7 @@ from .. import layout, platform
 from ..kernels import indexer_q as kernels
 from ..library import register_op
 from ..reference import indexer_q as reference
-from ._checks import check_int, check_tensor, known
+from ._checks import check_float, check_int, check_tensor, known
 from ._plans import MISSING, PlanCache, signature
 
 POSITION_DTYPES = (torch.int64, torch.int32)
@@ -26,11 +26,6 @@ INT32_MAX = 2**31 - 1
 
 
 # --- validation --------------------------------------------------------------------------------------------------
-def _check_float(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, torch.SymFloat)):
-        raise ValueError(f"{name} must be a float, got {value!r}")
-
-
 def check_q(positions, index_q, cos_sin_cache, index_weights, softmax_scale, head_scale, use_fp4) -> tuple:
     """Validate fused_indexer_q_rope_quant's inputs; return (T, H, max_pos)."""
     if not isinstance(use_fp4, bool):
@@ -54,8 +49,8 @@ def check_q(positions, index_q, cos_sin_cache, index_weights, softmax_scale, hea
     check_tensor("index_weights", index_weights, ndim=2, dtypes=WEIGHT_DTYPES, device=device)
     if known(*index_weights.shape, t, h) and tuple(index_weights.shape) != (t, h):
         raise ValueError(f"index_weights must be [T, H] = [{t}, {h}], got {tuple(index_weights.shape)}")
-    _check_float("softmax_scale", softmax_scale)
-    _check_float("head_scale", head_scale)
+    check_float("softmax_scale", softmax_scale)
+    check_float("head_scale", head_scale)
     return t, h, cos_sin_cache.shape[0]
 
 

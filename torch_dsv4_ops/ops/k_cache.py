@@ -12,7 +12,7 @@ from .. import layout, platform
 from ..kernels import k_cache as kernels
 from ..library import register_op
 from ..reference import k_cache as reference
-from ._checks import check_tensor
+from ._checks import check_bool, check_tensor
 from ._plans import MISSING, PlanCache
 
 SLOT_DTYPES = (torch.int64, torch.int32)
@@ -25,11 +25,6 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def check_k_cache(k_cache, block_size: int) -> tuple[int, int]:
@@ -64,10 +59,10 @@ def check_insert(k, k_cache, slot_mapping, block_size=64, is_ue8m0=True, use_fnu
     """Validate quantize_and_insert_k_cache's arguments; return (num_slots, block_stride)."""
     nb, block_stride = check_k_cache(k_cache, block_size)
     device = k_cache.device
-    _check_bool("is_ue8m0", is_ue8m0)
+    check_bool("is_ue8m0", is_ue8m0)
     if not is_ue8m0:
         raise ValueError("is_ue8m0=False is not supported: the fp8_ds_mla cache stores UE8M0 scales")
-    _check_bool("use_fnuz", use_fnuz)
+    check_bool("use_fnuz", use_fnuz)
     check_tensor("k", k, ndim=2, dtypes=(torch.bfloat16,), device=device)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=SLOT_DTYPES, device=device)
     if k.shape[1] != layout.HEAD_DIM:
@@ -84,7 +79,7 @@ def check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, o
     nb, block_stride = check_k_cache(k_cache, block_size)
     device = k_cache.device
     _check_int("offset", offset, 0)
-    _check_bool("use_fnuz", use_fnuz)
+    check_bool("use_fnuz", use_fnuz)
     check_tensor("out", out, ndim=3, dtypes=(torch.bfloat16,), device=device)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=LEN_DTYPES, device=device)
     r = seq_lens.shape[0]

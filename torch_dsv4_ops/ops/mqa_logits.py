@@ -17,7 +17,7 @@ from ..kernels import mqa_logits as kernels
 from ..kernels.attention import device_multiprocessors
 from ..library import register_op
 from ..reference import mqa_logits as reference
-from ._checks import check_tensor
+from ._checks import check_bool, check_tensor
 from ._plans import MISSING, PlanCache, signature
 from .indexer import SCALE_ALIGN, check_cache_pointer, check_indexer_cache
 
@@ -31,11 +31,6 @@ def fp8_operand_format(name: str, t: torch.Tensor, use_fnuz: bool) -> layout.Fp8
     if t.dtype == torch.uint8:
         return layout.E4M3FNUZ if use_fnuz else layout.E4M3FN
     return layout.FP8_BY_DTYPE[t.dtype]
-
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def _check_last_contiguous(name: str, t: torch.Tensor) -> None:
@@ -78,8 +73,8 @@ def check_prefill(q, k, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logi
         check_tensor(name, t, ndim=1, dtypes=(torch.int32,), device=device)
         if t.shape[0] != m:
             raise ValueError(f"{name} must have shape ({m},) (one entry per query), got {tuple(t.shape)}")
-    _check_bool("clean_logits", clean_logits)
-    _check_bool("use_fnuz", use_fnuz)
+    check_bool("clean_logits", clean_logits)
+    check_bool("use_fnuz", use_fnuz)
     return Prefill(m, n, heads, dim, fp8_operand_format("q", q, use_fnuz), fp8_operand_format("k", k, use_fnuz))
 
 
@@ -130,8 +125,8 @@ def check_paged(q, kv_cache, weights, context_lens, block_tables, max_model_len,
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, torch.SymInt)) or \
             (isinstance(max_model_len, int) and max_model_len < 0):
         raise ValueError(f"max_model_len must be an int >= 0, got {max_model_len!r}")
-    _check_bool("clean_logits", clean_logits)
-    _check_bool("use_fnuz", use_fnuz)
+    check_bool("clean_logits", clean_logits)
+    check_bool("use_fnuz", use_fnuz)
     return Paged(batch, next_n, heads, nb, bs, stride, fp8_operand_format("q", q, use_fnuz),
                  fp8_operand_format("kv_cache", kv_cache, use_fnuz))
 
@@ -472,7 +467,7 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits,
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
         raise ValueError(f"kv must be a (k_fp8, k_scale) tuple, got {type(kv).__name__}")
     k, k_scale = kv
-    _check_bool("clean_logits", clean_logits)        # the dispatcher would turn 0/1 into a bool
+    check_bool("clean_logits", clean_logits)        # the dispatcher would turn 0/1 into a bool
     if out is None:
         return _prefill_op(q_fp8, k, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, use_fnuz)
     _prefill_out_op(q_fp8, k, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, out, use_fnuz)
@@ -496,7 +491,7 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, s
     q_fp8 = _unpack_q(q)
     if indices is not None:
         raise NotImplementedError("fp8_fp4_paged_mqa_logits: indices (the variable-length form) is not supported")
-    _check_bool("clean_logits", clean_logits)
+    check_bool("clean_logits", clean_logits)
     if isinstance(max_model_len, bool):                  # the dispatcher would take a bool as an int
         raise ValueError(f"max_model_len must be an int >= 0, got {max_model_len!r}")
     if out is None:

@@ -16,7 +16,7 @@ from .. import layout, platform
 from ..kernels import sparse_mla as kernels
 from ..library import register_op
 from ..reference import sparse_mla as reference
-from ._checks import check_int32_extent, check_tensor
+from ._checks import check_bool, check_float, check_int32_extent, check_tensor
 from ._plans import MISSING, PlanCache, signature
 
 CACHE_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)
@@ -89,16 +89,6 @@ def _check_sink(attn_sink, hq: int, device) -> None:
             raise ValueError(f"attn_sink must have shape ({hq},) (one logit per q head), got {tuple(attn_sink.shape)}")
 
 
-def _check_scale(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a float, got {value!r}")
-
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class Decode:
     """What validation derives from a decode call."""
@@ -143,9 +133,9 @@ def check_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     elif extra_topk_length is not None:
         raise ValueError("extra_topk_length is given without extra_k_cache")
     _check_sink(attn_sink, hq, device)
-    _check_scale("softmax_scale", softmax_scale)
-    _check_bool("use_fnuz", use_fnuz)
-    _check_bool("extra_use_fnuz", extra_use_fnuz)
+    check_float("softmax_scale", softmax_scale)
+    check_bool("use_fnuz", use_fnuz)
+    check_bool("extra_use_fnuz", extra_use_fnuz)
     return Decode(batch, s_q, hq, main, extra)
 
 
@@ -196,7 +186,7 @@ def check_prefill(q, kv, indices, sm_scale, attn_sink, topk_length) -> Prefill:
     check_int32_extent("indices", indices, 2)
     _check_lengths("topk_length", topk_length, tokens, device)
     _check_sink(attn_sink, hq, device)
-    _check_scale("sm_scale", sm_scale)
+    check_float("sm_scale", sm_scale)
     return Prefill(tokens, hq, kv.shape[0])
 
 
