@@ -13,6 +13,7 @@ from torch_dsv4_ops import layout
 from torch_dsv4_ops.kernels import topk as kernels
 from torch_dsv4_ops.ops import topk as ops
 from torch_dsv4_ops.ops.topk import top_k_per_row_decode, top_k_per_row_prefill
+from torch_dsv4_ops.reference import topk as reference
 from torch_dsv4_ops.testing import (assert_bitwise_equal, check_compile, check_cuda_graph, implementation, run_opcheck,
                                     sync_debug_error)
 
@@ -410,7 +411,6 @@ def test_benchmark_sized_exact():
     """Decode 128 x 16384 (top-k 512, 2-D seq_lens), prefill 1024 x 8192 (causal-like and full ranges) and 3 rows
     of 70000 (the streaming path) against the reference, under sync-debug "error"; the reference is checked
     against the oracle on 3 rows of each."""
-    from torch_dsv4_ops.reference import topk as reference
     cases = []
     g = torch.Generator().manual_seed(3)
     logits = _gpu_logits(128, 16384, 1)
@@ -491,7 +491,6 @@ def test_stream_order_with_pdl():
         step()
     for _ in range(3):
         expected = torch.empty(rows, topk, dtype=torch.int32)
-        from torch_dsv4_ops.reference import topk as reference
         reference.top_k_per_row_decode(-logits.cpu(), 1, seq.cpu(), expected, rows, n_cols, 1, topk)
         graph.replay()
         torch.cuda.synchronize()
