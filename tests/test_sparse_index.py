@@ -440,8 +440,10 @@ def test_random_flashinfer(device, kind, variant):
 
 @pytest.mark.parametrize("kind", BATCHES)
 @pytest.mark.parametrize("mct", [8192, 5])
-def test_random_c128a(device, kind, mct):
+@pytest.mark.parametrize("bs", [4, 3, 32])      # table runs per tile row (4), per-position lookups (3, 32 > tile)
+def test_random_c128a(device, kind, mct, bs):
     b = make_batch(kind, 4, ratio=2)
+    b["bs"] = bs
     T = b["T"]
     Td = sum(1 for q in b["qlens"] if q == 1)
     g = b["g"]

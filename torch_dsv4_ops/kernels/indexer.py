@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from .. import layout, platform
-from ..reference.k_cache import fp8_format, nan_code
+from ..reference.k_cache import fp8_format
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
-from .k_cache import fp32_bits, ue8m0_bit_rule, ue8m0_codes, ue8m0_exponents
+from .k_cache import ue8m0_codec, ue8m0_codes, ue8m0_exponents
 
 INSERT_TOKENS = 8            # rows per insert program (16 KB of bf16 in, 4 KB of codes out)
 GATHER_ROWS = 16             # rows per gather step
@@ -32,7 +32,7 @@ def indexer_insert_kernel(
     k_ptr, cache_ptr, slot_ptr, n_tokens, k_stride, slot_stride, num_slots, block_stride,
     BS: tl.constexpr, D: tl.constexpr, SCALE_BYTES: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr,
     FP8_MAX: tl.constexpr, E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr, FLOOR_BITS: tl.constexpr,
-    BIAS: tl.constexpr, NAN_CODE: tl.constexpr, TOKENS: tl.constexpr,
+    BIAS: tl.constexpr, NAN_CODE: tl.constexpr, SAT: tl.constexpr, TOKENS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     live = t < n_tokens
@@ -41,7 +41,7 @@ def indexer_insert_kernel(
     slot = tl.load(slot_ptr + t * slot_stride, mask=live, other=-1).to(tl.int64)
     x = tl.load(k_ptr + t[:, None] * k_stride + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     e = ue8m0_exponents(x, E_SHIFT, MANT_LIMIT, FLOOR_BITS)
-    codes = ue8m0_codes(x, e, FMT, SW, FP8_MAX, BIAS, NAN_CODE)
+    codes = ue8m0_codes(x, e, FMT, SW, FP8_MAX, BIAS, NAN_CODE, SAT)
     scale_bits = (e + BIAS) << 23                                        # 2**e, a normal fp32
     valid = (slot >= 0) & (slot < num_slots)                            # every negative slot and past the cache: skip
     slot = tl.where(valid, slot, 0)
@@ -93,12 +93,8 @@ GATHER_LAUNCHER = FastLauncher(indexer_gather_kernel)
 
 # --- host-side planning ---------------------------------------------------------------------------------
 def insert_constexprs(block_size: int, use_fnuz: bool, target: platform.Target) -> dict:
-    fmt = fp8_format(use_fnuz)
-    e_shift, mant_limit = ue8m0_bit_rule(fmt)
-    return dict(BS=block_size, D=layout.INDEXER_DIM, SCALE_BYTES=layout.INDEXER_SCALE_BYTES, FMT=fmt.code,
-                SW=not platform.native_fp8(target, fmt), FP8_MAX=fmt.ue8m0_max, E_SHIFT=e_shift,
-                MANT_LIMIT=mant_limit, FLOOR_BITS=fp32_bits(layout.UE8M0_FLOOR), BIAS=layout.UE8M0_BIAS,
-                NAN_CODE=nan_code(fmt), TOKENS=INSERT_TOKENS,
+    return dict(BS=block_size, D=layout.INDEXER_DIM, SCALE_BYTES=layout.INDEXER_SCALE_BYTES,
+                **ue8m0_codec(fp8_format(use_fnuz), target), TOKENS=INSERT_TOKENS,
                 num_warps=platform.num_warps_for(target, INSERT_TOKENS * layout.INDEXER_DIM))
 
 

@@ -26,10 +26,9 @@ import triton.language as tl
 
 from .. import layout, platform
 from ..reference.indexer_q import INT_OF_SIZE, NOPE_DIM, ROPE_DIM, ROPE_PAIRS
-from ..reference.k_cache import nan_code
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
 from .fp8 import bf16_bits_rne
-from .k_cache import fp32_bits, ue8m0_bit_rule, ue8m0_codes, ue8m0_exponents
+from .k_cache import ue8m0_codec, ue8m0_codes, ue8m0_exponents
 
 # Tile settings (to be tuned on the GPU with benchmarks/bench_indexer_q.py)
 Q_ROWS = 16                  # (token, head) rows per program: 4 KB of bf16 q in flight (swept on an H100)
@@ -56,7 +55,7 @@ def indexer_q_rope_quant_kernel(
     pos_s, q_s0, q_s1, cs_s0, w_s0, w_s1, out_s0, out_s1, wo_s0, wo_s1,
     NOPE: tl.constexpr, PAIRS: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr, FP8_MAX: tl.constexpr,
     E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr, FLOOR_BITS: tl.constexpr, BIAS: tl.constexpr,
-    NAN_CODE: tl.constexpr, ROWS: tl.constexpr,
+    NAN_CODE: tl.constexpr, SAT: tl.constexpr, ROWS: tl.constexpr,
 ):
     tl.static_assert(NOPE == 2 * PAIRS)                                 # 64 pass-through dims, 64 RoPE dims
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -85,8 +84,8 @@ def indexer_q_rope_quant_kernel(
     # the UE8M0 exponent is monotonic in the amax: that of the whole row is the larger of the halves'
     ex = tl.maximum(ue8m0_exponents(nope, E_SHIFT, MANT_LIMIT, FLOOR_BITS),
                     ue8m0_exponents(rope, E_SHIFT, MANT_LIMIT, FLOOR_BITS))
-    c_nope = ue8m0_codes(nope, ex, FMT, SW, FP8_MAX, BIAS, NAN_CODE)
-    c_rope = ue8m0_codes(rope, ex, FMT, SW, FP8_MAX, BIAS, NAN_CODE)
+    c_nope = ue8m0_codes(nope, ex, FMT, SW, FP8_MAX, BIAS, NAN_CODE, SAT)
+    c_rope = ue8m0_codes(rope, ex, FMT, SW, FP8_MAX, BIAS, NAN_CODE, SAT)
     scale = ((ex + BIAS) << 23).to(tl.float32, bitcast=True)           # 2**e, a normal fp32
     wo = ((w * scale) * softmax_scale) * head_scale
     wo = tl.where(wo != wo, float("nan"), wo)                          # one NaN bit pattern, 0x7FC00000
@@ -110,12 +109,8 @@ def q_rows(target: platform.Target) -> tuple[int, int]:
 
 def q_constexprs(fmt: layout.Fp8Format, target: platform.Target) -> dict:
     """Constexprs, num_warps and launch options of `indexer_q_rope_quant_kernel` for fp8 format `fmt`."""
-    e_shift, mant_limit = ue8m0_bit_rule(fmt)
     rows, warps = q_rows(target)
-    return dict(NOPE=NOPE_DIM, PAIRS=ROPE_PAIRS, FMT=fmt.code, SW=not platform.native_fp8(target, fmt),
-                FP8_MAX=fmt.ue8m0_max, E_SHIFT=e_shift, MANT_LIMIT=mant_limit,
-                FLOOR_BITS=fp32_bits(layout.UE8M0_FLOOR), BIAS=layout.UE8M0_BIAS, NAN_CODE=nan_code(fmt),
-                ROWS=rows, num_warps=warps, enable_fp_fusion=False)
+    return dict(NOPE=NOPE_DIM, PAIRS=ROPE_PAIRS, **ue8m0_codec(fmt, target), ROWS=rows, num_warps=warps, enable_fp_fusion=False)
 
 
 def q_grid(n_rows: int, target: platform.Target) -> tuple:

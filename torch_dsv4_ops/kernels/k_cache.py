@@ -2,7 +2,7 @@
 
 * `quantize_insert_kernel`: grid (cdiv(N, TOKENS),), TOKENS tokens per program (`insert_tokens`).
   Its NoPE tile has one row per (token, quant block), [TOKENS*8, 64] with every 8th row masked, so
-  the 7 UE8M0 exponents are row maxima of the fp32 bit patterns (no log2); it stores 448 fp8 bytes,
+  the 7 UE8M0 exponents come from row maxima of |x| (read as bits, no log2); it stores 448 fp8 bytes,
   128 RoPE bytes and 8 scale bytes per token, every load before the first store.
 * `dequant_gather_kernel`: grid (R, workers), workers = min(cdiv(W, BLOCK_T), MAX_WORKERS) from
   host ints only (BLOCK_T from `gather_block_t(W)`). Program (r, w) walks the rows i = w*BLOCK_T,
@@ -35,6 +35,7 @@ BLOCK_Q = triton.next_power_of_2(layout.NUM_QUANT_BLOCKS)   # 8 rows of the NoPE
 INSERT_TOKENS = 2            # insert: tokens per program from INSERT_SMALL tokens on (1 below: latency)
 INSERT_SMALL = 1024
 INSERT_MAX_WARPS = 2
+INSERT_EVICT = ""            # insert: eviction policy of the K loads ("" or "evict_first")
 BLOCK_T = 8                  # gather: tokens per loop step of one program for wide outputs
 BLOCK_T_NARROW = 2           # ... and for outputs of at most NARROW_WIDTH rows (decode windows)
 NARROW_WIDTH = 512
@@ -64,25 +65,36 @@ def ue8m0_bit_rule(fmt: layout.Fp8Format) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def ue8m0_exponents(x, E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr, FLOOR_BITS: tl.constexpr):
-    """The exact UE8M0 exponent e (int32) of each row of fp32 x [R, C], from bit patterns (|x| as int bits
-    orders like |x|): NaN is left out of the amax, the fp32 1e-4 floor applies, inf counts as the largest fp32."""
-    mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    mag = tl.where(mag > 0x7F800000, 0, mag)
-    a = tl.max(mag, axis=1)
-    a = tl.maximum(a, FLOOR_BITS)
-    a = tl.minimum(a, 0x7F7FFFFF)
+    """The exact UE8M0 exponent e (int32) of each row of fp32 x [R, C]: NaN is left out of the amax
+    (max is maxnum; a row of NaNs counts as 0), the fp32 1e-4 floor applies, inf counts as the largest
+    fp32. The per-row amax is then read from its bit pattern."""
+    a = tl.max(tl.abs(x), axis=1)
+    a = tl.where(a == a, a, 0.0).to(tl.int32, bitcast=True)
+    a = tl.minimum(tl.maximum(a, FLOOR_BITS), 0x7F7FFFFF)
     return (a >> 23) - E_SHIFT + ((a & 0x7FFFFF) > MANT_LIMIT).to(tl.int32)
 
 
 @triton.jit
 def ue8m0_codes(x, e, FMT: tl.constexpr, SW: tl.constexpr, FP8_MAX: tl.constexpr, BIAS: tl.constexpr,
-                NAN_CODE: tl.constexpr):
-    """fp8 codes of rows x [R, C] scaled by 2**-e (exact), clamped to +-FP8_MAX; NaN as NAN_CODE, any sign."""
+                NAN_CODE: tl.constexpr, SAT: tl.constexpr):
+    """fp8 codes of rows x [R, C] scaled by 2**-e (exact), clamped to +-FP8_MAX; NaN as NAN_CODE, any sign.
+    SAT: the target's conversion does the clamp and the NaN code itself (`saturating_codes`)."""
     inv = ((BIAS - e) << 23).to(tl.float32, bitcast=True)               # 2**-e, a normal fp32
     y = x * inv[:, None]
-    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))   # NaN passes through
-    codes = fp8_encode(y, FMT, SW)
-    return tl.where(y != y, NAN_CODE, codes)                            # one NaN code (docs/ops/k_cache.md §6.1)
+    if SAT:
+        codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))   # NaN passes through
+        codes = fp8_encode(y, FMT, SW)
+        codes = tl.where(y != y, NAN_CODE, codes)                       # one NaN code (docs/ops/k_cache.md §6.1)
+    return codes
+
+
+def saturating_codes(target: platform.Target, fmt: layout.Fp8Format) -> bool:
+    """Whether `ue8m0_codes` may leave clamp and NaN code to the conversion: NVIDIA's e4m3 conversion
+    (`cvt.rn.satfinite`) saturates to +-448 = FP8_MAX and writes every NaN as 0x7F = NAN_CODE."""
+    return target.backend == "cuda" and platform.native_fp8(target, fmt) and fmt is layout.E4M3FN \
+        and fmt.ue8m0_max == fmt.max
 
 
 # ------------------------------------------------------------------------------------------------
@@ -94,8 +106,8 @@ def quantize_insert_kernel(
     BS: tl.constexpr, NOPE: tl.constexpr, ROPE_BYTES: tl.constexpr, QB: tl.constexpr, NQ: tl.constexpr,
     BLOCK_Q: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, FMT: tl.constexpr,
     SW: tl.constexpr, FP8_MAX: tl.constexpr, E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr,
-    FLOOR_BITS: tl.constexpr, BIAS: tl.constexpr, NAN_CODE: tl.constexpr, TOKENS: tl.constexpr,
-    PDL: tl.constexpr,
+    FLOOR_BITS: tl.constexpr, BIAS: tl.constexpr, NAN_CODE: tl.constexpr, SAT: tl.constexpr, TOKENS: tl.constexpr,
+    EVICT: tl.constexpr, PDL: tl.constexpr,
 ):
     # Rows of the NoPE tile are (token, quant block) pairs: row j is block j % BLOCK_Q of token
     # j // BLOCK_Q, so the UE8M0 amax is a row reduction and every row's 64 codes are contiguous.
@@ -117,11 +129,11 @@ def quantize_insert_kernel(
     slot = tl.load(slot_ptr + t * slot_stride, mask=live, other=-1).to(tl.int64)
     slot_t = tl.load(slot_ptr + tt * slot_stride, mask=live_t, other=-1).to(tl.int64)
     x = tl.load(k_ptr + t[:, None] * k_stride + (q * QB)[:, None] + d[None, :],
-                mask=((q < NQ) & live)[:, None] & (d < QB)[None, :], other=0.0).to(tl.float32)
+                mask=((q < NQ) & live)[:, None] & (d < QB)[None, :], other=0.0, eviction_policy=EVICT).to(tl.float32)
     rope_src = k_ptr.to(tl.pointer_type(tl.uint8)) + (tt * k_stride * 2 + 2 * NOPE)[:, None] + rb[None, :]
-    rope = tl.load(rope_src, mask=live_t[:, None] & (rb < ROPE_BYTES)[None, :])
+    rope = tl.load(rope_src, mask=live_t[:, None] & (rb < ROPE_BYTES)[None, :], eviction_policy=EVICT)
     e = ue8m0_exponents(x, E_SHIFT, MANT_LIMIT, FLOOR_BITS)
-    codes = ue8m0_codes(x, e, FMT, SW, FP8_MAX, BIAS, NAN_CODE)
+    codes = ue8m0_codes(x, e, FMT, SW, FP8_MAX, BIAS, NAN_CODE, SAT)
     byte = tl.minimum(tl.maximum(e + BIAS, 0), 255)
     byte = tl.where(q < NQ, byte, 0).to(tl.uint8)                       # byte 7 = 0
     # every negative slot and every slot past the cache: skip (tensor-only masks, for the interpreter)
@@ -138,12 +150,12 @@ def quantize_insert_kernel(
     tl.store(rope_dst[:, None] + rb[None, :], rope, mask=valid_t[:, None] & (rb < ROPE_BYTES)[None, :])
 
 
-def _codec(use_fnuz: bool, target: platform.Target) -> dict:
-    fmt = fp8_format(use_fnuz)
+def ue8m0_codec(fmt: layout.Fp8Format, target: platform.Target) -> dict:
+    """Constexprs of `ue8m0_exponents` / `ue8m0_codes` for format `fmt` on `target` (every UE8M0 writer)."""
     e_shift, mant_limit = ue8m0_bit_rule(fmt)
     return dict(FMT=fmt.code, SW=not platform.native_fp8(target, fmt), FP8_MAX=fmt.ue8m0_max, E_SHIFT=e_shift,
                 MANT_LIMIT=mant_limit, FLOOR_BITS=fp32_bits(layout.UE8M0_FLOOR), BIAS=layout.UE8M0_BIAS,
-                NAN_CODE=nan_code(fmt))
+                NAN_CODE=nan_code(fmt), SAT=saturating_codes(target, fmt))
 
 
 def _layout_constexprs(block_size: int) -> dict:
@@ -160,8 +172,8 @@ def insert_tokens(n_tokens: int) -> int:
 def insert_constexprs(block_size: int, use_fnuz: bool, target: platform.Target, tokens: int = 1) -> dict:
     """Constexprs (and num_warps) of `quantize_insert_kernel`, shared by the launcher and the matrix."""
     warps = min(INSERT_MAX_WARPS, platform.num_warps_for(target, tokens * BLOCK_Q * layout.QUANT_BLOCK))
-    return dict(**_layout_constexprs(block_size), **_codec(use_fnuz, target), TOKENS=tokens,
-                PDL=platform.supports_pdl(target), num_warps=warps)
+    return dict(**_layout_constexprs(block_size), **ue8m0_codec(fp8_format(use_fnuz), target), TOKENS=tokens,
+                EVICT=INSERT_EVICT, PDL=platform.supports_pdl(target), num_warps=warps)
 
 
 def insert_runtime_args(n_tokens: int, k_stride: int, slot_stride: int, num_slots: int, block_stride: int) -> tuple:
@@ -248,7 +260,7 @@ def gather_block_t(width: int) -> int:
 def gather_constexprs(block_size: int, use_fnuz: bool, has_gather: bool, target: platform.Target,
                       width: int) -> dict:
     """Constexprs (and num_warps) of `dequant_gather_kernel` for an output of `width` rows per request."""
-    codec = _codec(use_fnuz, target)
+    codec = ue8m0_codec(fp8_format(use_fnuz), target)
     block_t = gather_block_t(width)
     warps = min(GATHER_MAX_WARPS, platform.num_warps_for(target, block_t * BLOCK_Q * layout.QUANT_BLOCK))
     return dict(**_layout_constexprs(block_size), FMT=codec["FMT"], SW=codec["SW"], HAS_GATHER=has_gather,

@@ -316,7 +316,24 @@ def flashinfer_kernel(
         tl.store(lens_ptr + t * lens_s, (Wswa + tk).to(tl.int32))
 
 
-# --- build_c128a_topk_metadata ------------------------------------------------------------------
+# --- build_c128a_topk_metadata -------------------------------------------------------------------
+@triton.jit
+def _lookup_run(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, c0, n, BLOCK: tl.constexpr, BS: tl.constexpr):
+    """SPEC §0 lookup of positions j = c0 .. c0 + BLOCK - 1 (valid below n) for a scalar request id `r`, as
+    a [BLOCK // BS, BS] tile (j row-major) with one table entry per tile row: contiguous table loads where
+    the per-position `_lookup` gathers. BS a power of two <= BLOCK, c0 a multiple of BLOCK."""
+    NB: tl.constexpr = BLOCK // BS
+    rlim = tl.where((r >= 0) & (r < bt_rows), bt_cols, 0)
+    rr = tl.where((r >= 0) & (r < bt_rows), r, 0)
+    col = c0 // BS + tl.arange(0, NB).to(tl.int64)
+    k = tl.arange(0, BS).to(tl.int64)
+    j = col[:, None] * BS + k[None, :]
+    row_ok = (col < rlim) & (col * BS < n)
+    blk = tl.load(bt_ptr + rr * bt_s0 + col * bt_s1, mask=row_ok, other=-1).to(tl.int64)
+    ok = (j < n) & (row_ok & (blk >= 0))[:, None]
+    return tl.where(ok, blk[:, None] * BS + k[None, :], -1), j
+
+
 @triton.jit
 def c128a_kernel(
     pos_ptr, t2r_ptr, bt_ptr, slot_ptr, g_ptr, dlens_ptr, pf_ptr,
@@ -332,8 +349,11 @@ def c128a_kernel(
         slot = tl.load(slot_ptr + t * slot_s)
         n = tl.minimum(tl.maximum(pos + 1, 0) // RATIO, Wd)
         for c0 in range(0, Wd, BLOCK):
-            j = c0 + cols
-            g = _lookup(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, tl.where(j < n, j, -1), BS)
+            if (BS & (BS - 1)) == 0 and BS <= BLOCK:      # whole table entries per tile row
+                g, j = _lookup_run(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, c0, n, BLOCK, BS)
+            else:
+                j = c0 + cols
+                g = _lookup(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, tl.where(j < n, j, -1), BS)
             tl.store(g_ptr + t * g_s0 + j * g_s1, _i32(g), mask=j < Wd)
         tl.store(dlens_ptr + t * dlens_s, tl.where(slot >= 0, n, 0).to(tl.int32))
     else:
