@@ -35,7 +35,6 @@ BLOCK_Q = triton.next_power_of_2(layout.NUM_QUANT_BLOCKS)   # 8 rows of the NoPE
 INSERT_TOKENS = 2            # insert: tokens per program from INSERT_SMALL tokens on (1 below: latency)
 INSERT_SMALL = 1024
 INSERT_MAX_WARPS = 2
-INSERT_EVICT = ""            # insert: eviction policy of the K loads ("" or "evict_first")
 BLOCK_T = 8                  # gather: tokens per loop step of one program for wide outputs
 BLOCK_T_NARROW = 2           # ... and for outputs of at most NARROW_WIDTH rows (decode windows)
 NARROW_WIDTH = 512
@@ -107,7 +106,7 @@ def quantize_insert_kernel(
     BLOCK_Q: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, FMT: tl.constexpr,
     SW: tl.constexpr, FP8_MAX: tl.constexpr, E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr,
     FLOOR_BITS: tl.constexpr, BIAS: tl.constexpr, NAN_CODE: tl.constexpr, SAT: tl.constexpr, TOKENS: tl.constexpr,
-    EVICT: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Rows of the NoPE tile are (token, quant block) pairs: row j is block j % BLOCK_Q of token
     # j // BLOCK_Q, so the UE8M0 amax is a row reduction and every row's 64 codes are contiguous.
@@ -129,9 +128,9 @@ def quantize_insert_kernel(
     slot = tl.load(slot_ptr + t * slot_stride, mask=live, other=-1).to(tl.int64)
     slot_t = tl.load(slot_ptr + tt * slot_stride, mask=live_t, other=-1).to(tl.int64)
     x = tl.load(k_ptr + t[:, None] * k_stride + (q * QB)[:, None] + d[None, :],
-                mask=((q < NQ) & live)[:, None] & (d < QB)[None, :], other=0.0, eviction_policy=EVICT).to(tl.float32)
+                mask=((q < NQ) & live)[:, None] & (d < QB)[None, :], other=0.0).to(tl.float32)
     rope_src = k_ptr.to(tl.pointer_type(tl.uint8)) + (tt * k_stride * 2 + 2 * NOPE)[:, None] + rb[None, :]
-    rope = tl.load(rope_src, mask=live_t[:, None] & (rb < ROPE_BYTES)[None, :], eviction_policy=EVICT)
+    rope = tl.load(rope_src, mask=live_t[:, None] & (rb < ROPE_BYTES)[None, :])
     e = ue8m0_exponents(x, E_SHIFT, MANT_LIMIT, FLOOR_BITS)
     codes = ue8m0_codes(x, e, FMT, SW, FP8_MAX, BIAS, NAN_CODE, SAT)
     byte = tl.minimum(tl.maximum(e + BIAS, 0), 255)
@@ -173,7 +172,7 @@ def insert_constexprs(block_size: int, use_fnuz: bool, target: platform.Target, 
     """Constexprs (and num_warps) of `quantize_insert_kernel`, shared by the launcher and the matrix."""
     warps = min(INSERT_MAX_WARPS, platform.num_warps_for(target, tokens * BLOCK_Q * layout.QUANT_BLOCK))
     return dict(**_layout_constexprs(block_size), **ue8m0_codec(fp8_format(use_fnuz), target), TOKENS=tokens,
-                EVICT=INSERT_EVICT, PDL=platform.supports_pdl(target), num_warps=warps)
+                PDL=platform.supports_pdl(target), num_warps=warps)
 
 
 def insert_runtime_args(n_tokens: int, k_stride: int, slot_stride: int, num_slots: int, block_stride: int) -> tuple:
