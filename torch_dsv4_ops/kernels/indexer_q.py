@@ -110,7 +110,8 @@ def q_rows(target: platform.Target) -> tuple[int, int]:
 def q_constexprs(fmt: layout.Fp8Format, target: platform.Target) -> dict:
     """Constexprs, num_warps and launch options of `indexer_q_rope_quant_kernel` for fp8 format `fmt`."""
     rows, warps = q_rows(target)
-    return dict(NOPE=NOPE_DIM, PAIRS=ROPE_PAIRS, **ue8m0_codec(fmt, target), ROWS=rows, num_warps=warps, enable_fp_fusion=False)
+    return dict(NOPE=NOPE_DIM, PAIRS=ROPE_PAIRS, **ue8m0_codec(fmt, target), ROWS=rows, num_warps=warps,
+                enable_fp_fusion=False)
 
 
 def q_grid(n_rows: int, target: platform.Target) -> tuple:

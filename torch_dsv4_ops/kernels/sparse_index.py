@@ -316,7 +316,7 @@ def flashinfer_kernel(
         tl.store(lens_ptr + t * lens_s, (Wswa + tk).to(tl.int32))
 
 
-# --- build_c128a_topk_metadata -------------------------------------------------------------------
+# --- build_c128a_topk_metadata ------------------------------------------------------------------
 @triton.jit
 def _lookup_run(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, c0, n, BLOCK: tl.constexpr, BS: tl.constexpr):
     """SPEC §0 lookup of positions j = c0 .. c0 + BLOCK - 1 (valid below n) for a scalar request id `r`, as
