@@ -49,11 +49,17 @@ def _i32(v):
 
 
 @triton.jit
+def _table_row(r, bt_rows, bt_cols):
+    """(columns readable, row read) of request id `r` (int64): no columns for an out-of-range request."""
+    ok = (r >= 0) & (r < bt_rows)
+    return tl.where(ok, bt_cols, 0), tl.where(ok, r, 0)
+
+
+@triton.jit
 def _lookup(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, p, BS: tl.constexpr):
     """SPEC §0 lookup for a scalar request id `r` (int64) and an int64 tensor of positions `p`;
     int64 slots or -1. The table is read only at [0, bt_rows) x [0, bt_cols)."""
-    rlim = tl.where((r >= 0) & (r < bt_rows), bt_cols, 0)      # no columns for an out-of-range request
-    rr = tl.where((r >= 0) & (r < bt_rows), r, 0)
+    rlim, rr = _table_row(r, bt_rows, bt_cols)
     ok = p >= 0
     pp = tl.where(ok, p, 0)
     col = pp // BS
@@ -323,8 +329,7 @@ def _lookup_run(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, c0, n, BLOCK: tl.cons
     a [BLOCK // BS, BS] tile (j row-major) with one table entry per tile row: contiguous table loads where
     the per-position `_lookup` gathers. BS a power of two <= BLOCK, c0 a multiple of BLOCK."""
     NB: tl.constexpr = BLOCK // BS
-    rlim = tl.where((r >= 0) & (r < bt_rows), bt_cols, 0)
-    rr = tl.where((r >= 0) & (r < bt_rows), r, 0)
+    rlim, rr = _table_row(r, bt_rows, bt_cols)
     col = c0 // BS + tl.arange(0, NB).to(tl.int64)
     k = tl.arange(0, BS).to(tl.int64)
     j = col[:, None] * BS + k[None, :]
