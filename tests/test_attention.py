@@ -22,9 +22,12 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import torch_dsv4_ops as d
 from torch_dsv4_ops import layout, platform
+from torch_dsv4_ops.kernels import attention as attention_kernels
 from torch_dsv4_ops.testing import (TOLERANCES, assert_bitwise_equal, check_compile, check_cuda_graph,
                                     implementation, nonzero_share, poison_, run_opcheck, sync_debug_error,
                                     triton_cache_entries)
@@ -1137,3 +1140,43 @@ def test_device_mismatch():
     args = case.args("chunked", out, seq=case.seq_t.cpu())
     with pytest.raises(ValueError, match="seq_lens"):
         chunked_prefill_paged_decode(*args)
+
+
+@triton.jit
+def _f16_rows_probe(q_ptr, out_ptr, down_ptr, M: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]
+    q16, down = attention_kernels._to_f16_rows(tl.load(q_ptr + i))
+    tl.store(out_ptr + i, q16)
+    tl.store(down_ptr + tl.arange(0, M)[:, None], down)
+
+
+def test_f16_rows_of_bf16_q(device):
+    """The fp8-cache decode's fp16 q (kernels/attention.py `_to_f16_rows`): per row a power of two puts the
+    largest |element| in [2^14, 2^15); every element at least 2^-31 of its row's largest comes back exactly
+    (fp16 * inverse power == the bf16 value), smaller ones within fp16's subnormal spacing, NaN stays NaN."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(16, 32, generator=g, dtype=torch.float64)
+    q *= torch.tensor([1.0, 1e-30, 1e30, 3e38, 1e-36, 0.0, 1.0, 1.0, 2.0 ** -100, 2.0 ** 100, 1.0, 1.0, 1.0, 1.0,
+                       1e-5, 1e5], dtype=torch.float64)[:, None]
+    q[6, 3] = float("nan")
+    q[7, :] = 0.0
+    q[7, 5] = 1.0
+    q[10, 1:] *= 2.0 ** -40          # one large element, the rest far below it
+    q[11, 0] = float("inf")
+    qb = q.to(torch.bfloat16).to(device)
+    out = torch.empty(16, 32, dtype=torch.float16, device=device)
+    down = torch.empty(16, 1, dtype=torch.float32, device=device)
+    _f16_rows_probe[(1,)](qb, out, down, M=16, N=32)
+    qf, back = qb.double().cpu(), out.double().cpu() * down.double().cpu()
+    amax = torch.nan_to_num(qf.abs(), nan=0.0, posinf=math.inf).amax(1, keepdim=True)
+    finite = torch.isfinite(amax)[:, 0]
+    scaled_max = out.double().cpu().abs().nan_to_num(nan=0.0).amax(1)
+    ranged = finite & (amax[:, 0] >= 2.0 ** -112)      # rows 3 and 11 hold inf; below 2^-112 (rows 4, 5) the power is capped at 2^126
+    assert ranged.sum() == 12 and ((scaled_max >= 2.0 ** 14) & (scaled_max < 2.0 ** 15))[ranged].all(), scaled_max
+    exact = (qf.abs() >= amax * 2.0 ** -31) & qf.isfinite() & ranged[:, None]
+    assert torch.equal(back[exact], qf[exact])
+    small = (qf.abs() < amax * 2.0 ** -31) & ranged[:, None]
+    assert ((back[small] - qf[small]).abs() <= amax.expand_as(qf)[small] * 2.0 ** -39).all()
+    assert torch.equal(back[4:6], qf[4:6])          # bf16's smallest values times 2^126: fp16 holds them all
+    assert back[6, 3].isnan() and torch.equal(out[5].cpu(), torch.zeros(32, dtype=torch.float16))
+    assert back[11, 0] == float("inf")

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .. import layout, platform
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
-from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
+from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode, fp8_to_f16
 
 # How the output is stored (constexpr O_KIND)
 O_NATIVE, O_BF16_BITS, O_FP8 = 0, 1, 2
@@ -97,7 +97,9 @@ def _block_ids(table_ptr, t_row, col, ok, t_s1, W, num_blocks, cache_base, page_
 def _codes(x, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Cache values in the dot dtype. fp8 codes are converted unscaled, exactly (every e4m3/e5m2 value
     is a bf16 and an fp16 value); the per-tensor scales multiply the scores and the probabilities."""
-    if KV_FP8 != 0:
+    if KV_FP8 != 0 and DOT_DTYPE == tl.float16:
+        y = fp8_to_f16(x, KV_FP8, KV_SW)
+    elif KV_FP8 != 0:
         y = fp8_decode(x, KV_FP8, KV_SW).to(DOT_DTYPE)
     else:
         y = x.to(DOT_DTYPE)
@@ -124,6 +126,20 @@ def _softmax_step(s, vis, v, m_i, l_i, acc, p_scale, DOT_F32: tl.constexpr, P_SC
 
 
 @triton.jit
+def _to_f16_rows(q):
+    """Rows of bf16 q as fp16 times a power of two per row (largest |element| in [2^14, 2^15)), and the
+    inverse powers [M, 1]. Exact for elements at least 2^-31 of their row's largest; smaller ones move by
+    under 2^-39 of it, far below the fp32 accumulator's own rounding. NaN and inf stay; rows whose largest
+    is below 2^-112 (all-zero rows too) get 2^126."""
+    qf = q.to(tl.float32)
+    e = (tl.max(tl.abs(qf), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF    # the biased exponent of the row max
+    e = tl.minimum(tl.maximum(e, 15), 254)
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)                     # 2^(14 - (e - 127))
+    down = ((e - 14) << 23).to(tl.float32, bitcast=True)
+    return (qf * up[:, None]).to(tl.float16), down[:, None]
+
+
+@triton.jit
 def _scores(q, kt, DOT_F32: tl.constexpr):
     if DOT_F32:
         s = tl.dot(q, kt, input_precision="ieee")
@@ -142,20 +158,30 @@ def _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
     offsets of one block each, starting at multiples of V_RUN elements (vector loads of V)."""
     off = (kp % BS).to(tl.int32)
     d_ok = d < D
-    if K_STD:   # stride(3) == x, stride(4) == 1: x-element runs the compiler can vectorise
-        k_in = (d // X)[:, None] * kc_s2 + (off * X)[None, :] + (d % X)[:, None]
+    if K_STD:
+        # stride(3) == x, stride(4) == 1: load [d group, key, x] so that a warp's lanes run along the keys of
+        # one d group (x-element pieces of consecutive keys are adjacent: whole 32-byte sectors per request)
+        BLOCK_D: tl.constexpr = d.shape[0]
+        BLOCK_N: tl.constexpr = kp.shape[0]
+        dg = tl.arange(0, BLOCK_D // X)
+        dx = tl.arange(0, X)
+        k3 = tl.load(kc_ptr + (blk * kc_s0 + kvh * kc_s1 + off * X)[None, :, None] + (dg * kc_s2)[:, None, None]
+                     + dx[None, None, :], mask=(dg < D // X)[:, None, None] & key_ok[None, :, None], other=0)
+        kt = tl.reshape(tl.permute(k3, (0, 2, 1)), (BLOCK_D, BLOCK_N))
     else:
         k_in = (d // X)[:, None] * kc_s2 + (off * kc_s3)[None, :] + (d % X)[:, None]
-    kt = tl.load(kc_ptr + (blk * kc_s0 + kvh * kc_s1)[None, :] + k_in, mask=d_ok[:, None] & key_ok[None, :], other=0)
+        kt = tl.load(kc_ptr + (blk * kc_s0 + kvh * kc_s1)[None, :] + k_in, mask=d_ok[:, None] & key_ok[None, :],
+                     other=0)
     v_row = blk * vc_s0 + kvh * vc_s1 + off
-    if V_RUN > 0:   # the block id comes from a load, so the compiler cannot see these runs itself
-        v_row = tl.max_contiguous(tl.multiple_of(v_row, V_RUN), V_RUN)
     # no per-key mask (a mask that varies along a run prevents vector loads): every key's address is
     # inside a page (an invalid key's block is 0, which exists when num_blocks > 0), and invalid keys
     # are zeroed after the load, so NaN in pages outside the context never reaches the output
-    v = tl.load(vc_ptr + v_row[:, None] + d[None, :] * vc_s2, mask=(d < tl.where(num_blocks > 0, D, 0))[None, :],
-                other=0)
-    v = tl.where(key_ok[:, None], v, 0)
+    v_d_ok = d < tl.where(num_blocks > 0, D, 0)
+    if V_RUN > 0:   # the block id comes from a load, so the compiler cannot see these runs itself
+        v_row = tl.max_contiguous(tl.multiple_of(v_row, V_RUN), V_RUN)
+    v = tl.load(vc_ptr + v_row[:, None] + d[None, :] * vc_s2, mask=v_d_ok[None, :], other=0)
+    if tl.min(key_ok.to(tl.int32), 0) == 0:   # a tile with an invalid key (the last one, as a rule)
+        v = tl.where(key_ok[:, None], v, 0)
     kt = _codes(kt, KV_FP8, KV_SW, DOT_DTYPE)
     v = _codes(v, KV_FP8, KV_SW, DOT_DTYPE)
     return kt, v
@@ -351,7 +377,8 @@ def decode_kernel(
 ):
     """Program (r, kvh, s): split s of the visible keys of decode request r (query length 1), for the
     GROUP query heads of kv head kvh (rows padded to BLOCK_H)."""
-    DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
+    # fp8 caches: fp16 dots (codes convert to fp16 in one instruction per pair; bf16 q is rescaled, below)
+    DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.float16 if KV_FP8 != 0 else q_ptr.dtype.element_ty
     r = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -367,11 +394,16 @@ def decode_kernel(
     row_ok = hl < tl.where(is_decode, GROUP, 0)       # a tensor mask (interpreter)
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + q0 * q_s0 + (h * q_s1)[:, None] + d[None, :] * q_s2, mask=row_ok[:, None] & (d < D)[None, :],
-                other=0).to(DOT_DTYPE)
+                other=0)
     qp = tl.zeros((BLOCK_H,), tl.int32) + tl.maximum(seq - 1, -1).to(tl.int32)   # seq <= INT32_MAX
     scale = sm_scale * 1.4426950408889634
     if KV_FP8 != 0:
         scale = scale * tl.load(k_scale_ptr)
+    if DOT_DTYPE == tl.float16 and q_ptr.dtype.element_ty != tl.float16:
+        q, q_exp = _to_f16_rows(q)
+        scale = scale * q_exp          # [BLOCK_H, 1]
+    else:
+        q = q.to(DOT_DTYPE)
     slope = 0.0
     if ALIBI:
         slope = tl.load(alibi_ptr + h, mask=row_ok, other=0) * 1.4426950408889634
@@ -519,28 +551,25 @@ def prefill_grid(requests: int, geo: Geometry, tiles: dict, max_input_len: int) 
     return (layout.cdiv(max_input_len, tiles["BLOCK_Q"]), geo.hkv * layout.cdiv(geo.group, tiles["HEADS"]), requests)
 
 
-def decode_tiles(geo: Geometry, q_dtype, target: platform.Target) -> dict:
-    """BLOCK_H rows (the group's query heads, padded to a dot's minimum of 16) and BLOCK_N keys per step."""
+def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) -> dict:
+    """BLOCK_H rows (the group's query heads, padded to a dot's minimum of 16) and BLOCK_N keys per step.
+
+    benchmarks/sweep_attention.py --decode-only (H100, 2026-11-25): small programs, several per SM, hide one
+    another's load latency (a program's next tile is loaded after its current one is used): 64-key tiles on
+    2 warps for float caches, 32-key tiles on one warp for fp8 caches (whose 16-byte V rows then fill sectors)."""
     block_h = max(16, triton.next_power_of_2(geo.group))
     if target.backend == "interpreter":
         return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1)
-    small = geo.block_d <= 128 and q_dtype != torch.float32
-    block_n = DECODE_BLOCK_N_LARGE_SMEM if small and large_shared_memory(target) else 64 if small else 32
-    return dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4, num_stages=2)
-
-
-DECODE_BLOCK_N_LARGE_SMEM = 128
-
-
-def large_shared_memory(target: platform.Target) -> bool:
-    """Hopper and datacenter Blackwell: 228 KB of shared memory per SM, room for two stages of
-    128-key K and V tiles; other targets get 64-key tiles."""
-    return target.backend == "cuda" and target.arch in (90, 100)
+    if geo.block_d > 128 or q_dtype == torch.float32:
+        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=4, num_stages=2)
+    if kv_fp8:
+        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=1, num_stages=2)
+    return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=2, num_stages=2)
 
 
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 4
 
 
 def device_multiprocessors(device: torch.device) -> int:
@@ -648,7 +677,7 @@ def matrix_launch_decode(target, name, q_dtype, kv, o_dtype, geo: Geometry, feat
                          table_dtype=torch.int32):
     """What ops/attention.py passes to decode_kernel (3 requests, 64 blocks, a 4-column table)."""
     numerics, fmt = _matrix_numerics(target, q_dtype, kv, o_dtype)
-    tiles = decode_tiles(geo, q_dtype, target)
+    tiles = decode_tiles(geo, q_dtype, fmt is not None, target)
     meta = launch_options(decode_constexprs(geo, feats, numerics, tiles, splits))
     tokens, nb, cols = 17, 64, 4
     q_st = (geo.hq * geo.d, geo.d, 1)

@@ -116,3 +116,18 @@ def bf16_bits_rne(x):
     hi = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     hi = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16) | 0x40, hi)
     return hi.to(tl.int16)
+
+
+@triton.jit
+def fp8_to_f16(code, FMT: tl.constexpr, SW: tl.constexpr):
+    """uint8 codes of format FMT -> exact fp16 values (every e4m3, e4m3fnuz and e5m2 value is an fp16 value);
+    natively one conversion per pair of codes."""
+    if SW:
+        val = fp8_decode(code, FMT, SW).to(tl.float16)
+    elif FMT == 1:
+        val = code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    elif FMT == 2:
+        val = code.to(tl.float8e4b8, bitcast=True).to(tl.float16)
+    else:
+        val = code.to(tl.float8e5, bitcast=True).to(tl.float16)
+    return val

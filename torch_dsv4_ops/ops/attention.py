@@ -305,7 +305,7 @@ def _chunked_plan(query, key, value, output, kv_cache_dtype, key_cache, value_ca
         max_keys = min(max_keys, triton.next_power_of_2(max_seq_len))
     if feats.sliding_window:
         max_keys = min(max_keys, feats.sliding_window)
-    tiles = kernels.decode_tiles(geo, query.dtype, target)
+    tiles = kernels.decode_tiles(geo, query.dtype, numerics.kv_fp8 != layout.NOT_FP8, target)
     splits = forced_splits or kernels.decode_splits(
         checked.requests, geo.hkv, max_keys, kernels.device_multiprocessors(device))
     c = _common_ints(checked, key_cache, value_cache, block_table, seq_lens, sm_scale, feats.table_ptr)
