@@ -19,7 +19,7 @@ from . import bench_attention as bench
 from . import harness
 
 
-# (BLOCK_N, warps, stages, PROGRAMS_PER_SM) of the decode kernel
+# (BLOCK_N, warps, stages, programs per SM the split count aims at) of the decode kernel
 DECODE_CONFIGS = ((128, 4, 2, 2), (128, 4, 3, 2), (64, 2, 2, 4), (64, 2, 3, 4), (64, 4, 2, 4), (32, 1, 2, 4),
                   (32, 1, 3, 8), (32, 1, 4, 8), (32, 2, 2, 8), (32, 2, 3, 8))
 
@@ -51,23 +51,22 @@ def main() -> int:
         if s.name not in batches:
             batches[s.name] = (s, example_batch(s.query_lens(), s.seq_lens(), hq=bench.HQ, hkv=bench.HKV,
                                                 dim=bench.D, bs=bench.BS, fp8=s.fp8, seed=1, device=device))
-    original_decode, original_per_sm = kernels.decode_tiles, kernels.PROGRAMS_PER_SM
+    original_decode = kernels.decode_tiles
     for block_n, warps, stages, per_sm in () if "--prefill-only" in sys.argv else DECODE_CONFIGS:
-        def tiles(geo, q_dtype, kv_fp8, target, block_n=block_n, warps=warps, stages=stages):
+        def tiles(geo, q_dtype, kv_fp8, target, block_n=block_n, warps=warps, stages=stages, per_sm=per_sm):
             return dict(original_decode(geo, q_dtype, kv_fp8, target), BLOCK_N=block_n, num_warps=warps,
-                        num_stages=stages)
+                        num_stages=stages, per_sm=per_sm)
         kernels.decode_tiles = tiles
-        kernels.PROGRAMS_PER_SM = per_sm
         _reset()
         for s in all_decode:
             try:
                 us = _time(batches[s.name][1])
-                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} PROGRAMS_PER_SM={per_sm} | {s.name}: "
+                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} per_sm={per_sm} | {s.name}: "
                       f"{us:.1f} us {s.bytes_per_call() / us / 1e3:.0f} GB/s", flush=True)
             except Exception as e:   # e.g. out of shared memory
-                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} PROGRAMS_PER_SM={per_sm} | {s.name}: "
+                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} per_sm={per_sm} | {s.name}: "
                       f"ERROR {e!s:.100}", flush=True)
-    kernels.decode_tiles, kernels.PROGRAMS_PER_SM = original_decode, original_per_sm
+    kernels.decode_tiles = original_decode
     _reset()
     if "--decode-only" in sys.argv:
         return 0

@@ -771,20 +771,23 @@ SPLIT_SPEC = Spec(q_lens=(1, 1, 0, 1, 1, 1), seq_lens=(37, 80, 5, 1, 0, 130), hq
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("variant", ["plain", "sw20-alibi", "fp8-e5m2-ptr"])
+@pytest.mark.parametrize("variant", ["plain", "sw20-alibi", "fp8-e5m2-ptr", "long"])
 def test_decode_split_equivalence(device, impl, variant):
-    """forced_decode_splits(n) for n in {1, 2, 3, 7, 12 (> the 9 key blocks of the longest request)}: within
-    tolerance of n = 1 and of the oracle; the sink is counted once and empty splits (sliding window) combine."""
+    """forced_decode_splits(n) for n in {1, 2, 3, 7, 12 (> the 9 key blocks of the longest request), 40 (more
+    parts than the combine kernel reads at a time)}: within tolerance of n = 1 and of the oracle; the sink is
+    counted once and empty splits (sliding window) combine."""
     spec = SPLIT_SPEC
     if variant == "sw20-alibi":
         spec = spec.replace(sw=20, alibi=True)
     elif variant == "fp8-e5m2-ptr":
         spec = spec.replace(kv="fp8_e5m2", cache_dtype=torch.uint8, ptr=True, dense=False, padded=True)
+    elif variant == "long":   # 600 keys: every one of 40 parts holds keys (on CPU, 16-key tiles)
+        spec = spec.replace(q_lens=(1,), seq_lens=(600,))
     case = Case(spec, device)
     expected = oracle(case, "chunked")
     tol = TOLERANCES[spec.dtype]
     one = None
-    for n in (1, 2, 3, 7, 12):
+    for n in (1, 2, 3, 7, 12, 40):
         out = run(case, "chunked", impl, splits=n)
         check_rows(case, out, expected, f"splits={n} [{impl}]")
         if one is None:
@@ -1121,7 +1124,7 @@ def test_split_sweep_long_context():
     case = Case(spec, "cuda")
     expected = oracle(case, "chunked")
     one = None
-    for n in (1, 2, 3, 4, 7, 8, 16, 32, 64):   # forced_decode_splits accepts 1..MAX_SPLITS (64)
+    for n in (1, 2, 3, 4, 7, 8, 16, 32, 33, 64, 127, 128):   # forced_decode_splits accepts 1..MAX_SPLITS (128)
         out = run(case, "chunked", "kernel", splits=n)
         check_rows(case, out, expected, f"splits={n}")
         if one is None:

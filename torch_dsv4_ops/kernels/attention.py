@@ -152,15 +152,16 @@ def _scores(q, kt, DOT_F32: tl.constexpr):
 def _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
                 kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2,
                 D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
-                KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr, K_GROUPS: tl.constexpr):
     """K^T [BLOCK_D, N] and V [N, BLOCK_D] of keys kp (in blocks blk) from head-major caches; keys
     not in key_ok are zeros. V_RUN > 0: the tile's keys are runs of V_RUN consecutive
     offsets of one block each, starting at multiples of V_RUN elements (vector loads of V)."""
     off = (kp % BS).to(tl.int32)
     d_ok = d < D
-    if K_STD:
+    if K_STD and K_GROUPS:
         # stride(3) == x, stride(4) == 1: load [d group, key, x] so that a warp's lanes run along the keys of
-        # one d group (x-element pieces of consecutive keys are adjacent: whole 32-byte sectors per request)
+        # one d group (x-element pieces of consecutive keys are adjacent: whole 32-byte sectors per request;
+        # the decode kernel's choice: the prefill's larger dot tiles measured slower with it)
         BLOCK_D: tl.constexpr = d.shape[0]
         BLOCK_N: tl.constexpr = kp.shape[0]
         dg = tl.arange(0, BLOCK_D // X)
@@ -169,7 +170,10 @@ def _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
                      + dx[None, None, :], mask=(dg < D // X)[:, None, None] & key_ok[None, :, None], other=0)
         kt = tl.reshape(tl.permute(k3, (0, 2, 1)), (BLOCK_D, BLOCK_N))
     else:
-        k_in = (d // X)[:, None] * kc_s2 + (off * kc_s3)[None, :] + (d % X)[:, None]
+        if K_STD:   # x-element runs the compiler can vectorise
+            k_in = (d // X)[:, None] * kc_s2 + (off * X)[None, :] + (d % X)[:, None]
+        else:
+            k_in = (d // X)[:, None] * kc_s2 + (off * kc_s3)[None, :] + (d % X)[:, None]
         kt = tl.load(kc_ptr + (blk * kc_s0 + kvh * kc_s1)[None, :] + k_in, mask=d_ok[:, None] & key_ok[None, :],
                      other=0)
     v_row = blk * vc_s0 + kvh * vc_s1 + off
@@ -240,13 +244,13 @@ def _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, in_range, scale, slope, p_scal
                 D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
                 TABLE_PTR: tl.constexpr, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr,
                 DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, SW: tl.constexpr, ALIBI: tl.constexpr,
-                P_SCALED: tl.constexpr):
+                P_SCALED: tl.constexpr, K_GROUPS: tl.constexpr):
     """One tile of cached keys kp (those in_range): their blocks, K and V, the scores (times `scale`, plus
     ALiBi), the mask, and the online-softmax update of (m_i, l_i, acc)."""
     blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, in_range, t_s1, W, num_blocks, cache_base, page_bytes,
                              TABLE_PTR)
     kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0,
-                        vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, KV_FP8, KV_SW, DOT_DTYPE)
+                        vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, KV_FP8, KV_SW, DOT_DTYPE, K_GROUPS)
     s = _scores(q, kt, DOT_F32) * scale
     if ALIBI:
         s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
@@ -333,7 +337,8 @@ def prefill_kernel(
         m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < hi, cache_scale, slope, v_scale,
                                     table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr, vc_ptr,
                                     kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                                    TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW, ALIBI, KV_FP8 != 0)
+                                    TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW, ALIBI, KV_FP8 != 0,
+                                    False)
 
     if not KV_CACHE:
         # dense new keys j (position ctx + j, token q0 + j); rows outside [0, T) are masked
@@ -433,7 +438,7 @@ def decode_kernel(
         m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < s_hi, scale, slope, 1.0,
                                     table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr, vc_ptr,
                                     kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                                    TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, False, SW, ALIBI, False)
+                                    TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, False, SW, ALIBI, False, True)
     if KV_FP8 != 0:   # every V of this sum has the one scale
         acc = acc * tl.load(v_scale_ptr)
 
@@ -454,30 +459,38 @@ def combine_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
     O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
 ):
-    """Program (r, h): merge the `splits` (<= BLOCK_S) partial rows of decode request r, head h, exactly (the sink
-    joins here), and write the output row."""
+    """Program (r, h): merge the `splits` partial rows of decode request r, head h (BLOCK_S at a time: the
+    largest max first, then the weighted sums), exactly (the sink joins here), and write the output row."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     q0 = tl.load(qsl_ptr + r).to(tl.int64)
     qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
     is_decode = (qlen == 1) & (q0 >= 0) & (q0 < T)
+    n_parts = tl.where(is_decode, splits, 0)
     sp = tl.arange(0, BLOCK_S)
-    ok = sp < tl.where(is_decode, splits, 0)
-    rows = ((r * Hq + h) * splits + sp) * (BLOCK_D + 2)
-    m_s = tl.load(part_ptr + rows, mask=ok, other=float("-inf"))
-    l_s = tl.load(part_ptr + rows + 1, mask=ok, other=0.0)
+    first = (r * Hq + h) * splits
     d = tl.arange(0, BLOCK_D)
-    acc_s = tl.load(part_ptr + rows[:, None] + 2 + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
-    m = tl.max(m_s, 0)
+    m = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    for s0 in range(0, n_parts, BLOCK_S):
+        m = tl.maximum(m, tl.load(part_ptr + (first + s0 + sp) * (BLOCK_D + 2), mask=s0 + sp < n_parts,
+                                  other=float("-inf")))
+    m = tl.max(m, 0)
     if SINKS:
         sink = tl.load(sinks_ptr + h + tl.zeros((1,), tl.int32)) * 1.4426950408889634
         m = tl.maximum(m, tl.max(sink, 0))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(m_s - m_safe)
-    l_sum = tl.sum(l_s * w, 0)
+    l_sum = tl.zeros((BLOCK_S,), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for s0 in range(0, n_parts, BLOCK_S):
+        ok = s0 + sp < n_parts
+        rows = (first + s0 + sp) * (BLOCK_D + 2)
+        w = tl.exp2(tl.load(part_ptr + rows, mask=ok, other=float("-inf")) - m_safe)
+        l_sum += tl.load(part_ptr + rows + 1, mask=ok, other=0.0) * w
+        acc_s = tl.load(part_ptr + rows[:, None] + 2 + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+        acc += tl.sum(acc_s * w[:, None], 0)
+    l_sum = tl.sum(l_sum, 0)
     if SINKS:
         l_sum += tl.sum(tl.exp2(sink - m_safe), 0)
-    acc = tl.sum(acc_s * w[:, None], 0)
     out = tl.where(l_sum > 0, acc / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
     write_out(o_ptr + q0 * o_s0 + h * o_s1 + d * o_s2, out, d < tl.where(is_decode, D, 0), o_scale_ptr, O_KIND,
               O_FP8, O_SW)
@@ -556,20 +569,22 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
 
     benchmarks/sweep_attention.py --decode-only (H100, 2026-11-25): small programs, several per SM, hide one
     another's load latency (a program's next tile is loaded after its current one is used): 64-key tiles on
-    2 warps for float caches, 32-key tiles on one warp for fp8 caches (whose 16-byte V rows then fill sectors)."""
+    2 warps for float caches, 32-key tiles on one warp for fp8 caches. `per_sm`: the programs per SM the
+    split count aims at (decode_splits)."""
     block_h = max(16, triton.next_power_of_2(geo.group))
     if target.backend == "interpreter":
-        return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1, per_sm=PROGRAMS_PER_SM)
     if geo.block_d > 128 or q_dtype == torch.float32:
-        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=4, num_stages=2)
+        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=4, num_stages=2, per_sm=PROGRAMS_PER_SM // 2)
     if kv_fp8:
-        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=1, num_stages=2)
-    return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=2, num_stages=2)
+        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=1, num_stages=2, per_sm=PROGRAMS_PER_SM)
+    return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=2, num_stages=2, per_sm=PROGRAMS_PER_SM)
 
 
 MIN_KEYS_PER_SPLIT = 256
-MAX_SPLITS = 64
-PROGRAMS_PER_SM = 4
+MAX_SPLITS = 128
+PROGRAMS_PER_SM = 4            # decode programs per SM the split count aims at (more: no faster, H100)
+COMBINE_SPLITS = 32            # partial rows the combine kernel reads at a time
 
 
 def device_multiprocessors(device: torch.device) -> int:
@@ -587,12 +602,12 @@ def multiprocessors(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def decode_splits(requests: int, hkv: int, max_keys: int, multiprocessor_count: int) -> int:
+def decode_splits(requests: int, hkv: int, max_keys: int, multiprocessor_count: int, per_sm: int) -> int:
     """How many parts to split each decode request's keys into (flash-decoding), from host ints only:
-    enough (request x kv head) programs for PROGRAMS_PER_SM per multiprocessor, at least
+    enough (request x kv head) programs for `per_sm` (decode_tiles) per multiprocessor, at least
     MIN_KEYS_PER_SPLIT keys per part, at most MAX_SPLITS parts."""
     programs = max(requests * hkv, 1)
-    want = layout.cdiv(PROGRAMS_PER_SM * multiprocessor_count, programs)
+    want = layout.cdiv(per_sm * multiprocessor_count, programs)
     return max(1, min(want, layout.cdiv(max(max_keys, 1), MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
@@ -619,7 +634,7 @@ def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles:
 
 
 def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics) -> dict:
-    return dict(D=geo.d, BLOCK_D=geo.block_d, BLOCK_S=MAX_SPLITS,
+    return dict(D=geo.d, BLOCK_D=geo.block_d, BLOCK_S=COMBINE_SPLITS,
                 SINKS=feats.sinks, O_KIND=numerics.o_kind, O_FP8=numerics.o_fp8, O_SW=numerics.o_sw,
                 num_warps=1 if geo.block_d <= 128 else 2)
 

@@ -307,7 +307,7 @@ def _chunked_plan(query, key, value, output, kv_cache_dtype, key_cache, value_ca
         max_keys = min(max_keys, feats.sliding_window)
     tiles = kernels.decode_tiles(geo, query.dtype, numerics.kv_fp8 != layout.NOT_FP8, target)
     splits = forced_splits or kernels.decode_splits(
-        checked.requests, geo.hkv, max_keys, kernels.device_multiprocessors(device))
+        checked.requests, geo.hkv, max_keys, kernels.device_multiprocessors(device), tiles["per_sm"])
     c = _common_ints(checked, key_cache, value_cache, block_table, seq_lens, sm_scale, feats.table_ptr)
     meta = kernels.launch_options(kernels.decode_constexprs(geo, feats, numerics, tiles, splits))
     ints = (checked.tokens, c["sm_scale"], c["W"], c["num_blocks"], c["cache_base"], c["page_bytes"],
