@@ -459,38 +459,30 @@ def combine_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
     O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
 ):
-    """Program (r, h): merge the `splits` partial rows of decode request r, head h (BLOCK_S at a time: the
-    largest max first, then the weighted sums), exactly (the sink joins here), and write the output row."""
+    """Program (r, h): merge the `splits` (<= BLOCK_S) partial rows of decode request r, head h, exactly (the sink
+    joins here), and write the output row."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     q0 = tl.load(qsl_ptr + r).to(tl.int64)
     qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
     is_decode = (qlen == 1) & (q0 >= 0) & (q0 < T)
-    n_parts = tl.where(is_decode, splits, 0)
     sp = tl.arange(0, BLOCK_S)
-    first = (r * Hq + h) * splits
+    ok = sp < tl.where(is_decode, splits, 0)
+    rows = ((r * Hq + h) * splits + sp) * (BLOCK_D + 2)
+    m_s = tl.load(part_ptr + rows, mask=ok, other=float("-inf"))
+    l_s = tl.load(part_ptr + rows + 1, mask=ok, other=0.0)
     d = tl.arange(0, BLOCK_D)
-    m = tl.full((BLOCK_S,), float("-inf"), tl.float32)
-    for s0 in range(0, n_parts, BLOCK_S):
-        m = tl.maximum(m, tl.load(part_ptr + (first + s0 + sp) * (BLOCK_D + 2), mask=s0 + sp < n_parts,
-                                  other=float("-inf")))
-    m = tl.max(m, 0)
+    acc_s = tl.load(part_ptr + rows[:, None] + 2 + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+    m = tl.max(m_s, 0)
     if SINKS:
         sink = tl.load(sinks_ptr + h + tl.zeros((1,), tl.int32)) * 1.4426950408889634
         m = tl.maximum(m, tl.max(sink, 0))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l_sum = tl.zeros((BLOCK_S,), tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
-    for s0 in range(0, n_parts, BLOCK_S):
-        ok = s0 + sp < n_parts
-        rows = (first + s0 + sp) * (BLOCK_D + 2)
-        w = tl.exp2(tl.load(part_ptr + rows, mask=ok, other=float("-inf")) - m_safe)
-        l_sum += tl.load(part_ptr + rows + 1, mask=ok, other=0.0) * w
-        acc_s = tl.load(part_ptr + rows[:, None] + 2 + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
-        acc += tl.sum(acc_s * w[:, None], 0)
-    l_sum = tl.sum(l_sum, 0)
+    w = tl.exp2(m_s - m_safe)
+    l_sum = tl.sum(l_s * w, 0)
     if SINKS:
         l_sum += tl.sum(tl.exp2(sink - m_safe), 0)
+    acc = tl.sum(acc_s * w[:, None], 0)
     out = tl.where(l_sum > 0, acc / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
     write_out(o_ptr + q0 * o_s0 + h * o_s1 + d * o_s2, out, d < tl.where(is_decode, D, 0), o_scale_ptr, O_KIND,
               O_FP8, O_SW)
@@ -582,9 +574,8 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
 
 
 MIN_KEYS_PER_SPLIT = 256
-MAX_SPLITS = 128
+MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4            # decode programs per SM the split count aims at (more: no faster, H100)
-COMBINE_SPLITS = 32            # partial rows the combine kernel reads at a time
 
 
 def device_multiprocessors(device: torch.device) -> int:
@@ -634,7 +625,7 @@ def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles:
 
 
 def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics) -> dict:
-    return dict(D=geo.d, BLOCK_D=geo.block_d, BLOCK_S=COMBINE_SPLITS,
+    return dict(D=geo.d, BLOCK_D=geo.block_d, BLOCK_S=MAX_SPLITS,
                 SINKS=feats.sinks, O_KIND=numerics.o_kind, O_FP8=numerics.o_fp8, O_SW=numerics.o_sw,
                 num_warps=1 if geo.block_d <= 128 else 2)
 
