@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .. import layout, platform
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
-from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode, fp8_to_f16
+from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
 
 # How the output is stored (constexpr O_KIND)
 O_NATIVE, O_BF16_BITS, O_FP8 = 0, 1, 2
@@ -98,7 +98,7 @@ def _codes(x, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr
     """Cache values in the dot dtype. fp8 codes are converted unscaled, exactly (every e4m3/e5m2 value
     is a bf16 and an fp16 value); the per-tensor scales multiply the scores and the probabilities."""
     if KV_FP8 != 0 and DOT_DTYPE == tl.float16:
-        y = fp8_to_f16(x, KV_FP8, KV_SW)
+        y = fp8_decode(x, KV_FP8, KV_SW, tl.float16)
     elif KV_FP8 != 0:
         y = fp8_decode(x, KV_FP8, KV_SW).to(DOT_DTYPE)
     else:

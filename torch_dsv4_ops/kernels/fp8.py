@@ -87,8 +87,9 @@ def fp8_encode(x, FMT: tl.constexpr, SW: tl.constexpr):
 
 
 @triton.jit
-def fp8_decode(code, FMT: tl.constexpr, SW: tl.constexpr):
-    """uint8 codes of format FMT -> exact fp32 values."""
+def fp8_decode(code, FMT: tl.constexpr, SW: tl.constexpr, OUT: tl.constexpr = tl.float32):
+    """uint8 codes of format FMT -> exact fp32 values, or OUT values: every e4m3, e4m3fnuz and e5m2 value is
+    also a bf16 and an fp16 value, and natively fp8 -> fp16 is one conversion per pair of codes."""
     if SW:
         if FMT == 1:
             val = _decode_sw(code, 3, 7, 1, 0.001953125)        # 2**-9
@@ -96,13 +97,14 @@ def fp8_decode(code, FMT: tl.constexpr, SW: tl.constexpr):
             val = _decode_sw(code, 3, 8, 2, 0.0009765625)       # 2**-10
         else:
             val = _decode_sw(code, 2, 15, 3, 1.52587890625e-05)  # 2**-16
+        val = val.to(OUT)
     else:
         if FMT == 1:
-            val = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            val = code.to(tl.float8e4nv, bitcast=True).to(OUT)
         elif FMT == 2:
-            val = code.to(tl.float8e4b8, bitcast=True).to(tl.float32)
+            val = code.to(tl.float8e4b8, bitcast=True).to(OUT)
         else:
-            val = code.to(tl.float8e5, bitcast=True).to(tl.float32)
+            val = code.to(tl.float8e5, bitcast=True).to(OUT)
     return val
 
 
@@ -116,18 +118,3 @@ def bf16_bits_rne(x):
     hi = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     hi = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16) | 0x40, hi)
     return hi.to(tl.int16)
-
-
-@triton.jit
-def fp8_to_f16(code, FMT: tl.constexpr, SW: tl.constexpr):
-    """uint8 codes of format FMT -> exact fp16 values (every e4m3, e4m3fnuz and e5m2 value is an fp16 value);
-    natively one conversion per pair of codes."""
-    if SW:
-        val = fp8_decode(code, FMT, SW).to(tl.float16)
-    elif FMT == 1:
-        val = code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    elif FMT == 2:
-        val = code.to(tl.float8e4b8, bitcast=True).to(tl.float16)
-    else:
-        val = code.to(tl.float8e5, bitcast=True).to(tl.float16)
-    return val
