@@ -939,11 +939,8 @@ def test_compile_no_recompile(device, op, fp8):
         return args[3]
 
     tol = TOLERANCES[torch.bfloat16]
-    kernels_mod = None
-    if device.type == "cuda":
-        from torch_dsv4_ops.kernels import attention as kernels_mod
-    jits = [getattr(kernels_mod, n) for n in dir(kernels_mod)
-            if hasattr(getattr(kernels_mod, n), "device_caches")] if kernels_mod else []
+    jits = [getattr(attention_kernels, n) for n in dir(attention_kernels)
+            if hasattr(getattr(attention_kernels, n), "device_caches")] if device.type == "cuda" else []
     before = sum(triton_cache_entries(j) for j in jits)
     check_compile(step, inputs, compare=lambda a, e: assert_close64(a.cpu().double(), e.cpu().double(), tol, tol,
                                                                     "compiled vs eager"))
