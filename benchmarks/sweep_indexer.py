@@ -101,12 +101,12 @@ def sweep_q(dev) -> list:
 
 
 def sweep_topk(dev) -> list:
-    saved = (topk_kernels.radix_bits, topk_kernels.PER_THREAD, topk_kernels.MAX_WARPS["cuda"])
+    """Keys per lane x the warp cap of the in-register path (the rows fit one tile)."""
+    saved = (topk_kernels.PER_THREAD, topk_kernels.MAX_WARPS["cuda"])
     out = []
     for spec in (bench_topk.Spec("decode", 128, 16384, "full"), bench_topk.Spec("prefill", 4096, 8192, "causal")):
         w = bench_topk.build(spec, dev)
-        for radix, per_thread, warps in itertools.product((5, 10), (8, 16, 32), (8, 16, 32)):
-            topk_kernels.radix_bits = lambda *a, radix=radix: radix
+        for per_thread, warps in itertools.product((8, 16, 32, 64), (4, 8, 16, 32)):
             topk_kernels.PER_THREAD, topk_kernels.MAX_WARPS["cuda"] = per_thread, warps
             topk_ops._PLANS.clear()
             if spec.op == "decode":
@@ -114,10 +114,10 @@ def sweep_topk(dev) -> list:
             else:
                 us = _try("topk", lambda: _time(w))
             if us is not None:
-                r = dict(op=spec.op, radix=radix, per_thread=per_thread, max_warps=warps, us=us)
+                r = dict(op=spec.op, per_thread=per_thread, max_warps=warps, us=us)
                 print("topk", r, flush=True)
                 out.append(r)
-    topk_kernels.radix_bits, topk_kernels.PER_THREAD, topk_kernels.MAX_WARPS["cuda"] = saved
+    topk_kernels.PER_THREAD, topk_kernels.MAX_WARPS["cuda"] = saved
     topk_ops._PLANS.clear()
     return out
 

@@ -167,6 +167,58 @@ def test_decode_random(device, impl, next_n, seq_dim):
     assert_bitwise_equal(got.cpu(), want, "decode vs oracle")
 
 
+def check_prefill_rows(device, impl: str, logits: torch.Tensor, spans: list, topk: int, pad: int, label: str):
+    """top_k_per_row_prefill over every row of a contiguous `logits` with (ks, ke) = spans[r], into a poisoned
+    [rows, topk + pad] output, against the oracle."""
+    rows_n, n_cols = logits.shape
+    ks = torch.tensor([a for a, _ in spans], dtype=torch.int32)
+    ke = torch.tensor([b for _, b in spans], dtype=torch.int32)
+    out = torch.full((rows_n, topk + pad), SENTINEL, dtype=torch.int32)
+    rows = strided_rows(logits, 0, rows_n, n_cols, n_cols, 1)
+    want = expected_out(out, rows, [prefill_range(a, b, n_cols) for a, b in spans], topk)
+    got = out.clone().to(device)
+    with implementation(impl, device):
+        top_k_per_row_prefill(logits.to(device), ks.to(device), ke.to(device), got, rows_n, n_cols, 1, topk)
+    assert_bitwise_equal(got.cpu(), want, label)
+
+
+def search_rows(n_cols: int, topk: int, seed: int) -> torch.Tensor:
+    """Rows that steer the in-register threshold search into each of its exits: the threshold among consecutive
+    floats (the search runs to the last bit after compacting), a value range from subnormals to 1e38, the top
+    values packed at one end with -inf elsewhere, fewer than topk non-NaN values, topk + 1 and 2 * topk + 1
+    copies of the maximum (one more tie than the compaction holds: the whole-tile count resolves them), and
+    topk + 1 or 2 * topk distinct values far above the rest."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.tensor(1.0)
+    chain = [base]
+    for _ in range(n_cols - 1):
+        chain.append(torch.nextafter(chain[-1], torch.tensor(2.0)))
+    adjacent = torch.stack(chain)[torch.randperm(n_cols, generator=g)]
+    spread = torch.randn(n_cols, generator=g).sign() * 10.0 ** (torch.rand(n_cols, generator=g) * 76 - 38)
+    spread[::37] = 1e-45                                              # subnormals
+    packed = torch.full((n_cols,), -INF)
+    packed[:2 * topk] = torch.arange(2 * topk, dtype=torch.float32)
+    few = torch.full((n_cols,), NAN)
+    few[torch.randperm(n_cols, generator=g)[:topk // 2]] = 1.0
+    ties = torch.arange(n_cols, dtype=torch.float32)
+    ties[torch.randperm(n_cols, generator=g)[:topk + 1]] = 1e9
+    near = torch.randn(n_cols, generator=g)
+    near[: topk + 1] = near[: topk + 1].abs() + 100.0                 # topk + 1 values far above the rest
+    over = torch.randn(n_cols, generator=g)
+    over[torch.randperm(n_cols, generator=g)[:2 * topk + 1]] = 7.0    # one tie more than the compaction holds
+    full = torch.randn(n_cols, generator=g)
+    full[1:4 * topk + 1:2] = torch.rand(2 * topk, generator=g) + 50.0  # exactly as many as it holds
+    return torch.stack([adjacent, spread, packed, few, ties, near, over, full])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_threshold_search_rows(device, impl):
+    """The rows of `search_rows` (600 columns, top-k 40) against the oracle, whole and from column 1 on."""
+    n_cols, topk = 600, 40
+    spans = [(0, n_cols)] * 8 + [(1, n_cols)] * 8
+    check_prefill_rows(device, impl, search_rows(n_cols, topk, seed=11).repeat(2, 1), spans, topk, 1, "search rows")
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_explicit_strides(device, impl):
     """A transposed logits view (stride0 1), a padded one, and strides that differ from logits.stride() (they win):
@@ -223,15 +275,7 @@ def test_kernel_paths_and_radix(device, monkeypatch, radix, tiles):
         logits = planted_logits(8, n_cols, seed=7 + radix)
         logits[5] = torch.randint(0, 2, (n_cols,)).float()            # ~265 equal maxima: ties span tiles
         spans = [(0, 530), (0, 530), (0, 530), (0, 530), (0, 530), (3, 470), (129, 178), (250, 530)]
-        ks = torch.tensor([a for a, _ in spans], dtype=torch.int32)
-        ke = torch.tensor([b for _, b in spans], dtype=torch.int32)
-        out = torch.full((8, topk + 2), SENTINEL, dtype=torch.int32)
-        rows = strided_rows(logits, 0, 8, n_cols, n_cols, 1)
-        want = expected_out(out, rows, [prefill_range(a, b, n_cols) for a, b in spans], topk)
-        got = out.clone().to(device)
-        with implementation("kernel", device):
-            top_k_per_row_prefill(logits.to(device), ks.to(device), ke.to(device), got, 8, n_cols, 1, topk)
-        assert_bitwise_equal(got.cpu(), want, f"radix {radix}, {tiles}")
+        check_prefill_rows(device, "kernel", logits, spans, topk, 2, f"radix {radix}, {tiles}")
     finally:
         ops._PLANS.clear()
 

@@ -48,7 +48,8 @@ TILE_MAX = 16384          # columns held in registers per program; longer window
 TILE_MIN = 128
 OUT_BLOCK_MAX = 1024      # output columns per store step of the L <= TOPK path
 ALIGN = 16                # the window of a row starts at a multiple of ALIGN columns (vector loads)
-PER_THREAD = 16           # keys per lane: sets the warps of a tile
+PER_THREAD = 64           # keys per lane of the in-register path: sets the warps of a tile (H100 sweep, NOTES.md)
+STREAM_PER_THREAD = 16    # keys per lane of a streamed tile
 MAX_WARPS = {"cuda": 32, "hip": 8, "interpreter": 8}
 KEY_SIGN = tl.constexpr(0x80000000)
 # tl.histogram's mask argument (recent Triton); without it, lanes outside the candidates count in bin 0 and are
@@ -67,13 +68,14 @@ def _pdl_start(PDL: tl.constexpr):
 def _load_keys(row_ptr, j, start, n, s1, cols):
     """(uint32 keys, live) of the window's positions j (j < cols: inside the row), live where j - start is in
     [0, n). The load is masked by j < cols only (uniform over aligned runs: vector loads), the range after.
-    Keys order the values: NaN -> 0 (below -inf), -0.0 -> the key of +0.0, negatives -> ~bits,
-    non-negatives -> bits | 2**31."""
+    Keys order the values: NaN -> 1 (below -inf, whose key is 2**23 - 1), -0.0 -> the key of +0.0,
+    negatives -> ~bits, non-negatives -> bits | 2**31; a lane outside [start, start + n) has key 0."""
     x = tl.load(row_ptr + j * s1, mask=j < cols, other=0.0).to(tl.float32)
     bits = x.to(tl.uint32, bitcast=True)
     key = tl.where((bits >> 31) != 0, ~bits, bits | KEY_SIGN)
     key = tl.where(x == 0.0, KEY_SIGN, key)
-    return tl.where(x != x, 0, key), (j >= start) & (j < start + n)
+    live = (j >= start) & (j < start + n)
+    return tl.where(live, tl.where(x != x, 1, key), 0), live
 
 
 @triton.jit
@@ -123,6 +125,58 @@ def _select_store(key, j, live, thr, need, g_run, e_run, out_row, o_s1, TOPK: tl
 
 
 @triton.jit
+def _count_at_least(key, t):
+    """#(key >= t) over a tile of keys (uint32 t >= 1, so lanes of key 0 never count)."""
+    return tl.sum((key >= t).to(tl.int32), 0)
+
+
+@triton.jit
+def _tile_threshold(key, n, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr):
+    """(T, #(key > T)) for the n > TOPK live keys of one register tile (key 0: not a candidate), where T is the
+    TOPK-th largest key, found by narrowing an interval [lo, top] that holds it.
+
+    1. Halve [lo, top] by counting over the whole tile until at most TOPK keys lie inside it.
+    2. Store those keys into out_row[0:m] (the row's own output, overwritten at the end; a barrier orders the
+       stores before the loads) and load them back as a CAP-lane vector.
+    3. Cut the interval in three per pass over that vector: two counts packed in one int32 sum (each <= TOPK).
+    Every pass keeps c_hi = #(key > top), the second value returned once lo == top."""
+    lo = (n * 0 + 1).to(tl.int64)              # key 0 is never a candidate, so T >= 1
+    top = lo * 0 + 0xFFFFFFFF
+    c_lo = n                                   # #(key >= lo)
+    c_hi = n * 0                               # #(key > top)
+    while (lo < top) & (c_lo - c_hi > TOPK):
+        mid = lo + (top - lo + 1) // 2
+        c = _count_at_least(key, mid.to(tl.uint32))
+        up = c >= TOPK
+        lo = tl.where(up, mid, lo)
+        c_lo = tl.where(up, c, c_lo)
+        top = tl.where(up, top, mid - 1)
+        c_hi = tl.where(up, c_hi, c)
+    if lo < top:
+        inside = (key >= lo.to(tl.uint32)) & (key <= top.to(tl.uint32))
+        flag = inside.to(tl.int32)
+        pos = tl.cumsum(flag, 0) - flag
+        tl.store(out_row + pos.to(tl.int64) * o_s1, key.to(tl.int32, bitcast=True), mask=inside)
+        tl.debug_barrier()
+        p = tl.arange(0, CAP)
+        x = tl.load(out_row + p.to(tl.int64) * o_s1, mask=p < c_lo - c_hi, other=0).to(tl.uint32, bitcast=True)
+        c_out = c_hi                           # the keys above the interval, which x leaves out
+        while lo < top:
+            span = top - lo + 1
+            t1 = lo + tl.maximum(span // 3, 1)
+            t2 = lo + tl.maximum(2 * span // 3, 1)
+            packed = tl.sum((x >= t1.to(tl.uint32)).to(tl.int32) + ((x >= t2.to(tl.uint32)).to(tl.int32) << 16), 0)
+            c1 = c_out + (packed & 0xFFFF)
+            c2 = c_out + (packed >> 16)
+            in2 = c2 >= TOPK                   # T >= t2
+            in1 = c1 >= TOPK                   # T >= t1
+            top = tl.where(in2, top, tl.where(in1, t2 - 1, t1 - 1))
+            c_hi = tl.where(in2, c_hi, tl.where(in1, c2, c1))
+            lo = tl.where(in2, t2, tl.where(in1, t1, lo))
+    return lo.to(tl.uint32), c_hi
+
+
+@triton.jit
 def _tiles_histogram(row, offs, start, n, s1, cols, prefix, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
                      FIRST: tl.constexpr, BLOCK: tl.constexpr):
     """_digit_histogram over a window longer than one tile, BLOCK columns at a time."""
@@ -134,17 +188,49 @@ def _tiles_histogram(row, offs, start, n, s1, cols, prefix, SHIFT: tl.constexpr,
     return hist
 
 
+@triton.jit
+def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr):
+    """A window of at most BLOCK columns: its keys stay in registers through the search and the store."""
+    key, live = _load_keys(row, offs, start, n, s1, cols)
+    thr, above = _tile_threshold(key, n, out_row, o_s1, TOPK, CAP)
+    _select_store(key, offs - start, key != 0, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK)
+
+
+@triton.jit
+def _streamed(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+              RADIX: tl.constexpr):
+    """A longer window: a radix select (32 // RADIX histogram passes) over BLOCK-column tiles read once per pass,
+    then one more sweep that stores."""
+    PASSES: tl.constexpr = 32 // RADIX
+    FIRST: tl.constexpr = 32 - RADIX * (PASSES - 1)
+    k = n * 0 + TOPK                           # keys still to take at or below the current prefix
+    total = n                                  # candidates: live keys whose digits so far equal the prefix
+    prefix = tl.zeros((), tl.uint32)
+    padded = tl.cdiv(start + n, BLOCK) * BLOCK
+    for p in tl.static_range(PASSES):
+        if p == 0:
+            hist = _tiles_histogram(row, offs, start, n, s1, cols, prefix, 32 - FIRST, FIRST, True, BLOCK)
+            total, k, prefix = _radix_step(hist, padded - total, total, k, prefix, FIRST)
+        else:
+            hist = _tiles_histogram(row, offs, start, n, s1, cols, prefix, (PASSES - 1 - p) * RADIX, RADIX, False,
+                                    BLOCK)
+            total, k, prefix = _radix_step(hist, padded - total, total, k, prefix, RADIX)
+    g_run = n * 0
+    e_run = n * 0
+    for c0 in range(0, start + n, BLOCK):
+        j = c0 + offs
+        key, live = _load_keys(row, j, start, n, s1, cols)
+        g_run, e_run = _select_store(key, j - start, live, prefix, k, g_run, e_run, out_row, o_s1, TOPK)
+
+
 @triton.jit(do_not_specialize=("n_seq",))
 def topk_per_row_kernel(
     logits_ptr, a_ptr, b_ptr, out_ptr, n_cols, l_s0, l_s1, a_s0, a_s1, b_s0, o_s0, o_s1, next_n, n_seq,
     MODE: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-    RADIX: tl.constexpr, PDL: tl.constexpr,
+    RADIX: tl.constexpr, CAP: tl.constexpr, STREAM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Prefill: a = cu_seqlen_ks, b = cu_seqlen_ke. Decode: a = b = seq_lens ([B, next_n] or [B]).
-    The radix select runs 32 // RADIX passes: the first over the top 32 - RADIX * (passes - 1) bits of the key,
-    the others over RADIX bits each."""
-    PASSES: tl.constexpr = 32 // RADIX
-    FIRST: tl.constexpr = 32 - RADIX * (PASSES - 1)
+    STREAM: the row is wider than BLOCK, so a window may need the streaming path."""
     r = tl.program_id(0).to(tl.int64)
     _pdl_start(PDL)
     if MODE == 0:
@@ -177,35 +263,13 @@ def topk_per_row_kernel(
         row = logits_ptr + r * l_s0 + base * l_s1
         cols = n_cols - base                   # positions inside the row
         offs = tl.arange(0, BLOCK)
-        k = n * 0 + TOPK                       # keys still to take at or below the current prefix
-        total = n                              # candidates: live keys whose digits so far equal the prefix
-        prefix = tl.zeros((), tl.uint32)
-        if start + n <= BLOCK:                 # one tile: the keys stay in registers for every pass
-            key, live = _load_keys(row, offs, start, n, l_s1, cols)
-            for p in tl.static_range(PASSES):
-                if p == 0:
-                    hist = _digit_histogram(key, live, prefix, 32 - FIRST, FIRST, True)
-                    total, k, prefix = _radix_step(hist, BLOCK - total, total, k, prefix, FIRST)
-                else:
-                    hist = _digit_histogram(key, live, prefix, (PASSES - 1 - p) * RADIX, RADIX, False)
-                    total, k, prefix = _radix_step(hist, BLOCK - total, total, k, prefix, RADIX)
-            _select_store(key, offs - start, live, prefix, k, 0, 0, out_row, o_s1, TOPK)
-        else:                                  # a longer window: BLOCK-column tiles, once per pass
-            padded = tl.cdiv(start + n, BLOCK) * BLOCK
-            for p in tl.static_range(PASSES):
-                if p == 0:
-                    hist = _tiles_histogram(row, offs, start, n, l_s1, cols, prefix, 32 - FIRST, FIRST, True, BLOCK)
-                    total, k, prefix = _radix_step(hist, padded - total, total, k, prefix, FIRST)
-                else:
-                    hist = _tiles_histogram(row, offs, start, n, l_s1, cols, prefix, (PASSES - 1 - p) * RADIX,
-                                            RADIX, False, BLOCK)
-                    total, k, prefix = _radix_step(hist, padded - total, total, k, prefix, RADIX)
-            g_run = n * 0
-            e_run = n * 0
-            for c0 in range(0, start + n, BLOCK):
-                j = c0 + offs
-                key, live = _load_keys(row, j, start, n, l_s1, cols)
-                g_run, e_run = _select_store(key, j - start, live, prefix, k, g_run, e_run, out_row, o_s1, TOPK)
+        if STREAM:
+            if start + n <= BLOCK:
+                _one_tile(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP)
+            else:
+                _streamed(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, BLOCK, RADIX)
+        else:
+            _one_tile(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP)
 
 
 LAUNCHER = FastLauncher(topk_per_row_kernel)
@@ -227,16 +291,18 @@ def radix_bits(version: str = triton.__version__) -> int:
     return 5
 
 
-def num_warps(target: platform.Target, block: int) -> int:
-    """About PER_THREAD keys per lane, 1..MAX_WARPS[backend] warps (a power of two)."""
-    warps = max(1, block // (PER_THREAD * target.warp_size))
+def num_warps(target: platform.Target, block: int, stream: bool = False) -> int:
+    """About PER_THREAD (STREAM_PER_THREAD where rows may stream) keys per lane, 1..MAX_WARPS[backend] warps (a
+    power of two)."""
+    warps = max(1, block // ((STREAM_PER_THREAD if stream else PER_THREAD) * target.warp_size))
     return min(MAX_WARPS.get(target.backend, 8), 1 << (warps.bit_length() - 1))
 
 
 def constexprs(mode: int, n_cols: int, topk: int, target: platform.Target) -> dict:
     block = tile_for(n_cols)
     return dict(MODE=mode, TOPK=topk, BLOCK=block, OUT_BLOCK=min(OUT_BLOCK_MAX, triton.next_power_of_2(topk)),
-                ALIGN=ALIGN, RADIX=radix_bits(), PDL=platform.supports_pdl(target), num_warps=num_warps(target, block))
+                ALIGN=ALIGN, RADIX=radix_bits(), CAP=min(triton.next_power_of_2(topk), block), STREAM=n_cols > block,
+                PDL=platform.supports_pdl(target), num_warps=num_warps(target, block, n_cols > block))
 
 
 def runtime_args(n_cols: int, stride0: int, stride1: int, a_strides, b_s0: int, out_strides, next_n: int,
@@ -258,13 +324,15 @@ def matrix_launch(target: platform.Target, mode: int, dtype=torch.float32, n_col
         ints = runtime_args(n_cols, n_cols, 1, (1, 0), 1, (topk, 1), 1, 0)
     else:
         ints = runtime_args(n_cols, n_cols, 1, (2, 1) if mode == MODE_DECODE_2D else (1, 0), 0, (topk, 1), 2, 64)
-    name = f"topk.{MODE_NAMES[mode]}.{str(dtype).split('.')[-1]}.k{topk}.tile{meta['BLOCK']}"
+    name = f"topk.{MODE_NAMES[mode]}.{str(dtype).split('.')[-1]}.k{topk}.tile{meta['BLOCK']}" + \
+        (".stream" if meta["STREAM"] else "")
     return name, (Ptr(dtype), Ptr(torch.int32), Ptr(torch.int32), Ptr(torch.int32)), ints, meta
 
 
 def matrix_cases(target: platform.Target) -> list:
-    """Every tile size (prefill, top-k 512); each mode at the 16384 tile; top-k 1024 and
-    2048 at the 16384 and 8192 tiles. Ints are representative (specialised only on == 1 and % 16)."""
+    """Every tile size (prefill, top-k 512); each mode at the 16384 tile and on rows of 4 tiles (the streaming
+    path); top-k 1024 and 2048 at the 16384 and 8192 tiles. Ints are representative (specialised only on == 1 and
+    % 16)."""
     from .matrix import dedupe, kernel_case
 
     def case(launch):
@@ -279,6 +347,7 @@ def matrix_cases(target: platform.Target) -> list:
         tile *= 2
     for mode in (MODE_PREFILL, MODE_DECODE_2D, MODE_DECODE_1D):
         cases.append(case(matrix_launch(target, mode)))
+        cases.append(case(matrix_launch(target, mode, n_cols=4 * TILE_MAX)))
     for topk in (1024, 2048):
         for n_cols in (16384, 8192):
             cases.append(case(matrix_launch(target, MODE_DECODE_1D, n_cols=n_cols, topk=topk)))
