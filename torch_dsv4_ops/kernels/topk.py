@@ -4,25 +4,24 @@
 [lo, hi) of `logits` (prefill: the clamped [ks, ke); decode: [0, clamp(len, 0, N))), L = hi - lo.
 
 * L <= TOPK: the program writes [0, 1, ..., L-1, -1, ..., -1] into topk_indices[r, :TOPK] and reads no logit.
-* L > TOPK: every logit becomes an order-preserving uint32 key (NaN -> 0, the lowest; -0.0 -> +0.0; bf16 and
-  fp16 are widened to fp32 first). A radix select finds the TOPK-th largest key exactly, most significant
-  digit first: each pass is a histogram (tl.histogram) of the candidates whose higher digits equal those chosen
-  so far, and picks the digit holding the k-th largest. `radix_bits()` sets the digits per Triton version: 3
-  passes over bits 31..20, 19..10, 9..0 where tl.histogram is one shared-memory atomic per input (the wide
-  first digit spreads typical logits over many bins), 6 passes of 7 + 5 x 5 bits where it counts with warp
-  ballots. The result is the threshold key T and `need`, how many keys equal to T are taken
-  (TOPK - #(key > T), the lowest-indexed ones). A last sweep takes key > T, plus key == T while fewer than
-  `need` equal keys precede, and stores column - lo at the output position given by the exclusive prefix
-  count of taken keys: exactly TOPK indices, in ascending order.
+* L > TOPK: every logit becomes an order-preserving uint32 key (NaN -> 1, below -inf; -0.0 -> +0.0; lanes
+  outside the range -> 0, never counted). The TOPK-th largest key T is found exactly, then `need` = TOPK -
+  #(key > T) keys equal to T are taken, the lowest-indexed ones: a last sweep takes key > T, plus key == T while
+  fewer than `need` equal keys precede, and stores column - lo at the output position given by the exclusive
+  prefix count of taken keys: exactly TOPK indices, in ascending order.
+  - A window of at most BLOCK columns (`_one_tile`, every row when N <= BLOCK) keeps its keys in registers and
+    narrows an interval holding T by counting (`_tile_threshold`): halvings over the whole tile, then thirds over
+    the <= TOPK keys left inside, compacted into the row's own output slots.
+  - A longer window (`_streamed`, compiled only when N > BLOCK: STREAM) runs a radix select over BLOCK-column
+    tiles read once per pass, each pass a tl.histogram of the candidates whose higher digits match so far
+    (`radix_bits()`: 6 passes of 7 + 5 x 5 bits), carrying the histogram and the prefix counts across tiles.
 * The row is read through a window that starts at the ALIGN-aligned column at or below lo (vector loads; the
-  load mask is the row end only, the range is applied to the keys). A window of at most BLOCK columns stays in
-  registers for every pass; a longer one streams through BLOCK-column tiles once per pass, carrying the
-  histogram and the prefix counts across tiles.
+  load mask is the row end only, the range is applied to the keys).
 
 Runtime: N (logits.shape[1]), every stride, next_n and B (seq_lens rows); constexpr: the mode (prefill,
-decode with 2-D or 1-D seq_lens), TOPK, the tile sizes and PDL (SPEC §4 h). No load or store reaches outside
-the row's [0, N) columns or the tensors' rows (§4 b); offsets inside a row are int32 (the host checks that
-(N - 1) * stride1 fits), row bases int64.
+decode with 2-D or 1-D seq_lens), TOPK, the tile sizes, STREAM and PDL (SPEC §4 h). No load or store reaches
+outside the row's [0, N) columns or the tensors' rows (§4 b); offsets inside a row are int32 (the host checks
+that (N - 1) * stride1 fits), row bases int64.
 """
 from __future__ import annotations
 
@@ -282,11 +281,11 @@ def tile_for(n_cols: int) -> int:
 
 
 def radix_bits(version: str = triton.__version__) -> int:
-    """Digit width of the radix select: 5 bits (6 passes, 128 then 32 bins) on every Triton version. Measured on an
-    H100 with Triton 3.6 (benchmarks/NOTES.md "Top-k"): decode 128 x 16384 took 35 us with 5-bit digits and 1.5 ms
-    with 10-bit ones (3.6 counts with warp ballots, at a cost that grows with the bin count). Triton 3.7+ counts
-    with shared-memory atomics, where wider digits could pay; that is not verified on a GPU here, so the measured
-    schedule is used everywhere. `version` is kept for the test of this rule."""
+    """Digit width of the streaming path's radix select: 5 bits (6 passes, 128 then 32 bins) on every Triton
+    version. Measured on an H100 with Triton 3.6 (benchmarks/NOTES.md "Top-k"): decode 128 x 16384 took 35 us with
+    5-bit digits and 1.5 ms with 10-bit ones (3.6 counts with warp ballots, at a cost that grows with the bin
+    count). Triton 3.7+ counts with shared-memory atomics, where wider digits could pay; that is not verified on a
+    GPU here, so the measured schedule is used everywhere. `version` is kept for the test of this rule."""
     triton_minor(version)
     return 5
 
