@@ -186,8 +186,8 @@ def search_rows(n_cols: int, topk: int, seed: int) -> torch.Tensor:
     """Rows that steer the in-register threshold search into each of its exits: the threshold among consecutive
     floats (the search runs to the last bit after compacting), a value range from subnormals to 1e38, the top
     values packed at one end with -inf elsewhere, fewer than topk non-NaN values, topk + 1 and 2 * topk + 1
-    copies of the maximum (one more tie than the compaction holds: the whole-tile count resolves them), and
-    topk + 1 or 2 * topk distinct values far above the rest."""
+    copies of the maximum (more ties than the topk slots the compaction may fill: the whole-tile halvings
+    resolve them), and topk + 1 or 2 * topk distinct values far above the rest."""
     g = torch.Generator().manual_seed(seed)
     base = torch.tensor(1.0)
     chain = [base]
@@ -205,9 +205,9 @@ def search_rows(n_cols: int, topk: int, seed: int) -> torch.Tensor:
     near = torch.randn(n_cols, generator=g)
     near[: topk + 1] = near[: topk + 1].abs() + 100.0                 # topk + 1 values far above the rest
     over = torch.randn(n_cols, generator=g)
-    over[torch.randperm(n_cols, generator=g)[:2 * topk + 1]] = 7.0    # one tie more than the compaction holds
+    over[torch.randperm(n_cols, generator=g)[:2 * topk + 1]] = 7.0    # 2 * topk + 1 tied maxima
     full = torch.randn(n_cols, generator=g)
-    full[1:4 * topk + 1:2] = torch.rand(2 * topk, generator=g) + 50.0  # exactly as many as it holds
+    full[1:4 * topk + 1:2] = torch.rand(2 * topk, generator=g) + 50.0  # 2 * topk distinct values on top
     return torch.stack([adjacent, spread, packed, few, ties, near, over, full])
 
 
