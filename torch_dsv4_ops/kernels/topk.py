@@ -190,7 +190,7 @@ def _tiles_histogram(row, offs, start, n, s1, cols, prefix, SHIFT: tl.constexpr,
 @triton.jit
 def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr):
     """A window of at most BLOCK columns: its keys stay in registers through the search and the store."""
-    key, live = _load_keys(row, offs, start, n, s1, cols)
+    key, _ = _load_keys(row, offs, start, n, s1, cols)         # key 0 marks the lanes outside the window
     thr, above = _tile_threshold(key, n, out_row, o_s1, TOPK, CAP)
     _select_store(key, offs - start, key != 0, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK)
 
