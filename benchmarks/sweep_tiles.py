@@ -41,14 +41,14 @@ def _k_cache_plan():
 def _sparse_plan():
     big = [bs._case(s) for s in bs.headline_specs()]
     small = [bs._case(bs.Spec(op, t)) for op in bs.OPS for t in (64, 256)]
-    plans = []
-    base = dict(ks.PER_THREAD)
-    # narrower column tiles (rows swept in several steps), at the measured lanes-per-column and with more
-    # warps per tile
-    for max_block, per_thread in ((1024, base), (512, base), (256, base), (128, base),
-                                  (256, {k: 2 for k in base}), (128, {k: 1 for k in base}),
-                                  (512, {**{k: 8 for k in base}, "combine": 16})):
-        plans.append(({"MAX_BLOCK": max_block, "PER_THREAD": per_thread}, big + small))
+    # each kernel's widest tile in these cases (columns), so PER_THREAD = tile / (32 * warps)
+    tiles = {"global": 512, "combine": 512, "flashinfer": 512, "c128a": 1024, "fill": 512}
+    plans = [({}, big + small)]          # the defaults: PER_THREAD's warps below ONE_WARP_ROWS rows, then one
+    for per_sm in (8, 16):               # programs of the row-looping kernels (32, the default: a program per row)
+        plans.append(({"ROW_PROGRAMS_PER_SM": per_sm}, big))
+    for warps in (1, 2, 4, 8):           # the same warps at every row count
+        per_thread = {k: max(1, tile // (32 * warps)) for k, tile in tiles.items()}
+        plans.append(({"PER_THREAD": per_thread, "ONE_WARP_ROWS": {}}, big + small))
     return ks, (osi._PLANS,), plans
 
 

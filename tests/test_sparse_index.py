@@ -317,8 +317,10 @@ def assert_same(k, r, what):
 
 @pytest.mark.parametrize("kind", BATCHES)
 @pytest.mark.parametrize("int64_table", [False, True])
-def test_random_global(device, kind, int64_table):
+@pytest.mark.parametrize("bs", [4, 3])      # int32 slot math (power of two), the int64 formula (3)
+def test_random_global(device, kind, int64_table, bs):
     b = make_batch(kind, 1, int64_table=int64_table)
+    b["bs"] = bs
     T, K = b["T"], 6
     topk = torch.randint(-2, 12 * 4 + 6, (T, K), generator=b["g"], dtype=torch.int32)
     t2r, valid = torch.tensor(b["t2r"] + [0, 0], dtype=torch.int32), torch.tensor(b["valid"] + [True, True])
@@ -346,8 +348,20 @@ def combine_case(b, topk=3, chunk=None):
         window, ratio, topk, M, N
 
 
+@pytest.fixture(params=["programs per row", "rows per program"])
+def row_programs(request, monkeypatch):
+    """Kernels that loop over rows: one row per program, or every program looping (one per SM)."""
+    from torch_dsv4_ops.ops import sparse_index as ops
+
+    if request.param == "rows per program":
+        monkeypatch.setattr(kernels, "ROW_PROGRAMS_PER_SM", 1)
+    ops._PLANS.clear()
+    yield request.param
+    ops._PLANS.clear()
+
+
 @pytest.mark.parametrize("kind", BATCHES)
-def test_random_combine(device, kind):
+def test_random_combine(device, kind, row_programs):
     b = make_batch(kind, 2)
     args = combine_case(b)
     Tq, C = args[0].shape[0], layout.combine_width(args[6], args[4])
@@ -412,10 +426,16 @@ def flashinfer_case(b, local=True, topk=5, span=None, with_lens=False, wswa=10):
 
 
 @pytest.mark.parametrize("kind", ["decode", "mixed", "padding", "qlen0", "prefill", "empty"])
-@pytest.mark.parametrize("variant", ["local", "global", "global_lens_span", "shared_table"])
+@pytest.mark.parametrize("variant", ["local", "global", "global_lens_span", "shared_table", "odd_sizes",
+                                     "narrow_span"])
 def test_random_flashinfer(device, kind, variant):
+    """Block sizes and spans: powers of two with span >= block size take int32 slot math; odd_sizes (SWA
+    block 3, spans 5 and 10) and narrow_span (SWA span 2 < block 4) the int64 formula."""
     b = make_batch(kind, 3, int64_table=variant == "global")
-    args = flashinfer_case(b, local=variant in ("local", "shared_table"), span=8 if variant.endswith("span") else None,
+    span = {"global_lens_span": 8, "odd_sizes": 5, "narrow_span": 2}.get(variant)
+    if variant == "odd_sizes":
+        b["bs"] = 3
+    args = flashinfer_case(b, local=variant in ("local", "shared_table", "odd_sizes", "narrow_span"), span=span,
                            with_lens=variant == "global_lens_span")
     if variant == "shared_table":
         args = args[:9] + (None, b["bs"]) + args[11:]
@@ -436,6 +456,34 @@ def test_random_flashinfer(device, kind, variant):
     sparse, lens = o_flashinfer(*a)
     assert L(r[0]) == sparse and L(r[1]) == lens
     assert L(r[2][:rows]) == sparse and L(r[3][:rows]) == lens and L(r[3][rows:]) == [5]
+
+
+@pytest.mark.parametrize("R", [kernels.SEARCH - 1, kernels.SEARCH + 5])
+def test_flashinfer_many_requests(device, R):
+    """R + 1 query_start_loc entries in one vector (R = SEARCH - 1, one round of loads), or past it (the
+    per-row loads after token_to_req_indices): prefill tokens of requests beyond index SEARCH."""
+    g = torch.Generator().manual_seed(R)
+    qlens = torch.zeros(R, dtype=torch.int64)
+    busy = torch.cat([torch.randperm(R, generator=g)[:5], torch.tensor([R - 1])])
+    qlens[busy] = torch.randint(1, 4, (6,), generator=g)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), qlens.cumsum(0)]).int()
+    seq = (qlens + torch.randint(0, 30, (R,), generator=g)).int()
+    t2r = torch.repeat_interleave(torch.arange(R), qlens).int()
+    Tp = int(qlens.sum())
+    bt = torch.randint(-1, 500, (R, 12), generator=g, dtype=torch.int32)
+    ptopk = torch.randint(-2, 40, (Tp, 4), generator=g, dtype=torch.int32)
+    args = (torch.zeros((0, 8), dtype=torch.int32), None, None, ptopk, qsl, seq, t2r, bt, 4, None, 4, 8, 4, 4,
+            True, None, None, None)
+
+    def fn(dev):
+        return d.build_flashinfer_mixed_sparse_indices(*[x.to(dev) if isinstance(x, torch.Tensor) else x for x in args])
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "flashinfer, many requests")
+    WSWA_HINT[0] = 8
+    sparse, lens = o_flashinfer(*[x.tolist() if isinstance(x, torch.Tensor) else x for x in args])
+    assert L(r[0]) == sparse and L(r[1]) == lens
+    assert max(x for row in sparse for x in row) >= 0       # some slots are valid
 
 
 @pytest.mark.parametrize("kind", BATCHES)
@@ -501,6 +549,32 @@ def test_hostile_global(device):
     assert_same(k, r, "global hostile")
     assert L(r[0]) == [[-1, -1, -1, -1, 39, -1, -1, -1], [-1, -1, -1, -1, 15, -1, -1, -1], [-1] * 8, [-1] * 8]
     assert L(r[1]) == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_slot_limit_global_and_flashinfer_span(device, table_dtype):
+    """Block ids at the int32 limit: with bs 8, block 2**28 - 1 still fits (slots up to 2**31 - 1) and block
+    2**28 does not (-1); with a span of 16 the limit is block 2**27 (FlashInfer's remap)."""
+    bt = torch.tensor([[2**28 - 1, 2**28, 2**27 - 1, 2**27, -1, 2**31 - 1]], dtype=table_dtype)
+    topk = torch.arange(0, 48, dtype=torch.int32).view(1, 48)
+    t2r = i32([0])
+    valid = torch.tensor([True])
+
+    def fn(dev):
+        g = d.compute_global_topk_indices_and_lens(topk.to(dev), t2r.to(dev), bt.to(dev), 8, valid.to(dev))
+        f = d.build_flashinfer_mixed_sparse_indices(
+            torch.zeros((0, 1), dtype=torch.int32, device=dev), None, None, topk.to(dev), i32([0, 1], dev),
+            i32([4000], dev), t2r.to(dev), bt.to(dev),
+            8, None, 8, 1, 1, 48, True, None, 16, 16)
+        return g + f
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "slot limits")
+    off = list(range(8))
+    assert L(r[0][0]) == ([2**31 - 8 + o for o in off] + [-1] * 8 + [2**30 - 8 + o for o in off]
+                          + [2**30 + o for o in off] + [-1] * 16)
+    assert L(r[1]) == [24]
+    assert L(r[2][0]) == [-1] * 17 + [2**31 - 16 + o for o in off] + [-1] * 24 and L(r[3]) == [49]
 
 
 def test_hostile_combine(device):

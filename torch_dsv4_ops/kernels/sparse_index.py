@@ -1,13 +1,15 @@
 """Triton kernels for the sparse index ops (SPEC §3.3).
 
-Every kernel runs one program per output row and sweeps the row's columns in tiles of BLOCK
-contiguous int32 elements (vectorised loads and stores). Block-table lookups follow SPEC §0
-`lookup` (negative entries, columns past the width, out-of-range request ids and negative
-positions give -1) with int64 arithmetic; an int32 output is -1 where the int64 value is negative
-or past INT32_MAX. Token/request counts, strides, table shapes, M, N, widths and
-num_decode_tokens are runtime ints; only block sizes, spans, window, top-k, ratio, tile sizes and
-flags are constexpr (§4 h). Every load is masked to its tensor's extent whatever the index values
-(§4 b).
+Every kernel runs one program per output row (combine: up to ROW_PROGRAMS_PER_SM per SM, looping over
+rows beyond that) and sweeps the row's columns in tiles of BLOCK contiguous int32 elements (vectorised
+loads and stores). Block-table lookups follow SPEC §0 `lookup` (negative entries, columns past the
+width, out-of-range request ids and negative positions give -1); an int32 output is -1 where the int64
+value is negative or past INT32_MAX. Power-of-two block sizes and spans (span >= block size) compute
+slots in int32 with the int32 limit as a bound on the block id (`_slot_span`); other sizes use the
+int64 formula. Token/request counts, strides, table shapes, M, N, widths and num_decode_tokens are
+runtime ints; only block sizes, spans, window, top-k, ratio, tile sizes (SEARCH among them: how many
+query_start_loc entries one vector holds) and flags are constexpr (§4 h). Every load is masked to its
+tensor's extent whatever the index values (§4 b).
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ import triton.language as tl
 
 from .. import layout, platform
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
+from .attention import device_multiprocessors
 
-SEARCH = 256              # combine: query_start_loc entries one program searches at once
+SEARCH = 256              # combine, flashinfer: most query_start_loc entries one vector holds (one round)
+MIN_SEARCH = 32           # ... and the fewest (a warp's width)
 
 if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
     gdc_wait = gdc_launch_dependents = None
@@ -79,13 +83,60 @@ def _remap(v, BS: tl.constexpr, SPAN: tl.constexpr):
     return out
 
 
+# --- int32 slots: power-of-two block sizes and spans, span >= block size --------------------------
+@triton.jit
+def _slot_span(blk, off, SPAN: tl.constexpr):
+    """blk * SPAN + off as int32 for block ids `blk` (a table's dtype) and 0 <= off < SPAN, SPAN a power
+    of two: -1 where blk < 0 or the value passes INT32_MAX (the int64 formula's _i32)."""
+    if SPAN == 1:
+        ok = blk >= 0
+    elif blk.dtype == tl.int32:
+        ok = blk.to(tl.uint32) < (2**31 // SPAN)
+    else:
+        ok = (blk >= 0) & (blk < 2**31 // SPAN)
+    return tl.where(ok, blk.to(tl.int32) * SPAN + off, -1)
+
+
+@triton.jit
+def _remap_slots(v, BS: tl.constexpr, SPAN: tl.constexpr):
+    """_i32(remap(v, BS, SPAN)) of int32 slots v."""
+    if (BS & (BS - 1)) == 0 and (SPAN & (SPAN - 1)) == 0 and BS <= SPAN:
+        if BS == SPAN:
+            out = tl.where(v >= 0, v, -1)
+        else:
+            vv = tl.maximum(v, 0)
+            out = tl.where(v >= 0, _slot_span(vv // BS, vv % BS, SPAN), -1)
+    else:
+        out = _i32(_remap(v.to(tl.int64), BS, SPAN))
+    return out
+
+
+@triton.jit
+def _table_slots(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, p0, q, ok, BS: tl.constexpr, SPAN: tl.constexpr):
+    """_i32(remap(lookup(bt, r, p0 + q, BS), BS, SPAN)) where `ok`, else -1: r an int64 request id, p0 an int64
+    scalar >= 0 (or the literal 0), q int32 offsets. Power-of-two BS <= SPAN take int32 math on positions
+    relative to p0's table column; other sizes the int64 formula."""
+    if (BS & (BS - 1)) == 0 and (SPAN & (SPAN - 1)) == 0 and BS <= SPAN:
+        rlim, rr = _table_row(r, bt_rows, bt_cols)
+        col0 = p0 // BS
+        p = (tl.cast(p0 % BS, tl.int32) + q).to(tl.uint32)     # a negative position: a column past any table
+        col = p // BS
+        ok = ok & (col < tl.minimum(tl.maximum(rlim - col0, 0), INT32_MAX).to(tl.uint32))
+        blk = tl.load(bt_ptr + rr * bt_s0 + (col0 + col.to(tl.int64)) * bt_s1, mask=ok, other=-1)
+        out = _slot_span(blk, (p % BS).to(tl.int32), SPAN)
+    else:
+        s = _lookup(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, tl.where(ok, p0 + q.to(tl.int64), -1), BS)
+        out = _i32(_remap(s, BS, SPAN))
+    return out
+
+
 # --- compute_global_topk_indices_and_lens -------------------------------------------------------
 @triton.jit
 def _global_tile(v, c, K, bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, g_row, g_s1, BS: tl.constexpr):
     m = c < K
-    g = _i32(_lookup(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, v, BS))
-    tl.store(g_row + c * g_s1, g, mask=m)
-    return (m & (g >= 0)).to(tl.int32)
+    g = _table_slots(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, 0, v, m, BS, BS)
+    tl.store(g_row + c.to(tl.int64) * g_s1, g, mask=m)
+    return (g >= 0).to(tl.int32)
 
 
 @triton.jit
@@ -101,12 +152,12 @@ def global_topk_kernel(
     # every load that needs no other load first: the request, the flag, the first tile of indices
     r = tl.load(t2r_ptr + t * t2r_s).to(tl.int64)
     valid = tl.load(valid_ptr + t * valid_s)
-    v = tl.load(row + cols * topk_s1, mask=cols < K, other=-1).to(tl.int64)
+    v = tl.load(row + cols.to(tl.int64) * topk_s1, mask=cols < K, other=-1)
     g_row = g_ptr + t * g_s0
     count = _global_tile(v, cols, K, bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, g_row, g_s1, BS)
     for c0 in range(BLOCK, K, BLOCK):
         c = c0 + cols
-        v = tl.load(row + c * topk_s1, mask=c < K, other=-1).to(tl.int64)
+        v = tl.load(row + c.to(tl.int64) * topk_s1, mask=c < K, other=-1)
         count += _global_tile(v, c, K, bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, g_row, g_s1, BS)
     n = tl.sum(count, axis=0)
     tl.store(lens_ptr + t * lens_s, tl.where(valid != 0, n, 0))
@@ -114,9 +165,64 @@ def global_topk_kernel(
 
 # --- combine_topk_swa_indices -------------------------------------------------------------------
 @triton.jit
-def _pick(vec, ks, k):
-    """vec[k] of a vector held in registers (k a scalar index into it)."""
-    return tl.sum(tl.where(ks == k, vec, 0), axis=0)
+def _narrow_like(x, like):
+    """An int64 scalar x (at least the minimum of like's dtype) as like's dtype, clamped to its maximum:
+    `like <= x` keeps its truth."""
+    if like.dtype == tl.int32:
+        out = tl.minimum(x, INT32_MAX).to(tl.int32)
+    else:
+        out = x
+    return out
+
+
+@triton.jit
+def _request_vectors(qsl_ptr, seq_ptr, gl_ptr, Rc, qsl_s, seq_s, gl_s, SEARCH: tl.constexpr):
+    """qsl[0], and qsl[k], qsl[k + 1], seq_lens[k], gather_lens[k] for k < Rc <= SEARCH (0 past Rc)."""
+    ks = tl.arange(0, SEARCH)
+    m = ks < Rc
+    base = tl.load(qsl_ptr)
+    a0 = tl.load(qsl_ptr + ks * qsl_s, mask=m, other=0)
+    a1 = tl.load(qsl_ptr + (ks + 1) * qsl_s, mask=m, other=0)
+    seqv = tl.load(seq_ptr + ks * seq_s, mask=m, other=0)
+    glv = tl.load(gl_ptr + ks * gl_s, mask=m, other=0)
+    return base, a0, a1, seqv, glv
+
+
+@triton.jit
+def _request_pick(t, Rc, base, a0, a1, seqv, glv, SEARCH: tl.constexpr):
+    """(b, qs, qe, seq, gl) of row t, int64, from _request_vectors: b is the last request with
+    qs <= t < qe (the reference's last write), -1 when none covers t. Compared in the inputs' dtype."""
+    ks = tl.arange(0, SEARCH)
+    thr = _narrow_like(t + base.to(tl.int64), a0)      # qsl[k] - base <= t  <=>  qsl[k] <= thr
+    b = tl.max(tl.where((ks < Rc) & (a0 <= thr) & (a1 > thr), ks, -1), axis=0)
+    sel = ks == b
+    qs = tl.sum(tl.where(sel, a0, 0), axis=0).to(tl.int64) - base
+    qe = tl.sum(tl.where(sel, a1, 0), axis=0).to(tl.int64) - base
+    seq = tl.sum(tl.where(sel, seqv, 0), axis=0).to(tl.int64)
+    gl = tl.sum(tl.where(sel, glv, 0), axis=0).to(tl.int64)
+    return b.to(tl.int64), qs, qe, seq, gl
+
+
+@triton.jit
+def _request_two_rounds(t, qsl_ptr, seq_ptr, gl_ptr, Rc, seg, qsl_s, seq_s, gl_s, SEARCH: tl.constexpr):
+    """(b, qs, qe, seq, gl) of row t for any Rc (qsl non-decreasing): pivots qsl[k*seg] pick a segment of
+    seg entries, a count inside it gives b; b is -1 when t lies outside [qs, qe)."""
+    ks = tl.arange(0, SEARCH)
+    base = tl.load(qsl_ptr).to(tl.int64)
+    piv = tl.load(qsl_ptr + ks.to(tl.int64) * seg * qsl_s, mask=ks * seg < Rc, other=0).to(tl.int64) - base
+    lo = (tl.maximum(tl.sum(((piv <= t) & (ks * seg < Rc)).to(tl.int32), axis=0) - 1, 0)).to(tl.int64) * seg
+    hi = tl.minimum(lo + seg, Rc)
+    n_le = lo * 0
+    for k0 in range(0, seg, SEARCH):
+        k = lo + k0 + ks
+        a = tl.load(qsl_ptr + k * qsl_s, mask=k < hi, other=0).to(tl.int64) - base
+        n_le += tl.sum(((a <= t) & (k < hi)).to(tl.int32), axis=0)
+    b = tl.maximum(lo + n_le - 1, 0)
+    qs = tl.load(qsl_ptr + b * qsl_s).to(tl.int64) - base
+    qe = tl.load(qsl_ptr + (b + 1) * qsl_s).to(tl.int64) - base
+    seq = tl.load(seq_ptr + b * seq_s).to(tl.int64)
+    gl = tl.load(gl_ptr + b * gl_s).to(tl.int64)
+    return tl.where((t >= qs) & (t < qe), b, -1), qs, qe, seq, gl
 
 
 @triton.jit
@@ -126,56 +232,19 @@ def _clamp32(x, hi):
 
 
 @triton.jit
-def _combine_tile(loc, c, width, tk, top_lo, top_lim, top_base, swa_lo, swa_hi, swa_base, out_row, out_s1):
-    """One tile of a covered row in int32: the row's int64 bounds were folded into per-row column and
-    index limits, so the value is -1 exactly where the int64 formula is invalid or past INT32_MAX."""
-    top = tl.where((loc >= top_lo) & (loc < top_lim), top_base + loc, -1)
-    swa = tl.where((c >= swa_lo) & (c < swa_hi), swa_base + c, -1)
-    tl.store(out_row + c.to(tl.int64) * out_s1, tl.where(c < tk, top, swa), mask=c < width)
+def _swa_cols(c, swa_lo, swa_n, swa_base):
+    """The SWA value of columns c (int32): swa_base + c on [swa_lo, swa_lo + swa_n), else -1."""
+    return tl.where((c - swa_lo).to(tl.uint32) < swa_n, swa_base + c, -1)
 
 
 @triton.jit
-def combine_kernel(
-    topk_ptr, qsl_ptr, seq_ptr, gl_ptr, out_ptr, lens_ptr,
-    Rc, seg, M, N, width, topk_s0, topk_s1, qsl_s, seq_s, gl_s, out_s0, out_s1, lens_s,
-    WINDOW: tl.constexpr, RATIO: tl.constexpr, TOPK: tl.constexpr, WRITE_UNCOVERED: tl.constexpr,
-    BLOCK: tl.constexpr, SEARCH: tl.constexpr, PDL: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    ks = tl.arange(0, SEARCH)
+def _combine_row(t, loc, b, qs, qe, seq, gl, topk_ptr, out_ptr, lens_ptr, M, N, width, topk_s0, topk_s1, out_s0,
+                 out_s1, lens_s, WINDOW: tl.constexpr, RATIO: tl.constexpr, TOPK: tl.constexpr,
+                 WRITE_UNCOVERED: tl.constexpr, BLOCK: tl.constexpr, SWA_BLOCK: tl.constexpr):
+    """Row t of request b (-1: uncovered), `loc` its first tile of top-k indices."""
     cols = tl.arange(0, BLOCK)
     top_row = topk_ptr + t * topk_s0
-    _pdl_start(PDL)
-    # The request of row t is b = (number of qs[0:Rc] <= t) - 1 (qsl is non-decreasing). With
-    # Rc < SEARCH all of qsl, seq_lens and gather_lens come in one round of loads, together with the
-    # row's first tile of top-k indices; otherwise pivots qsl[k*seg] pick a segment of seg entries.
-    loc = tl.load(top_row + cols.to(tl.int64) * topk_s1, mask=cols < TOPK, other=-1)
-    if Rc < SEARCH:
-        a = tl.load(qsl_ptr + ks * qsl_s, mask=ks <= Rc, other=0).to(tl.int64)
-        seqv = tl.load(seq_ptr + ks * seq_s, mask=ks < Rc, other=0).to(tl.int64)
-        glv = tl.load(gl_ptr + ks * gl_s, mask=ks < Rc, other=0).to(tl.int64)
-        a = a - _pick(a, ks, 0)
-        b = tl.maximum(tl.sum(((a <= t) & (ks < Rc)).to(tl.int32), axis=0) - 1, 0).to(tl.int64)
-        qs = _pick(a, ks, b)
-        qe = _pick(a, ks, b + 1)
-        seq = _pick(seqv, ks, b)
-        gl = _pick(glv, ks, b)
-    else:
-        base = tl.load(qsl_ptr).to(tl.int64)
-        piv = tl.load(qsl_ptr + ks.to(tl.int64) * seg * qsl_s, mask=ks * seg < Rc, other=0).to(tl.int64) - base
-        lo = (tl.maximum(tl.sum(((piv <= t) & (ks * seg < Rc)).to(tl.int32), axis=0) - 1, 0)).to(tl.int64) * seg
-        hi = tl.minimum(lo + seg, Rc)
-        n_le = lo * 0
-        for k0 in range(0, seg, SEARCH):
-            k = lo + k0 + ks
-            a = tl.load(qsl_ptr + k * qsl_s, mask=k < hi, other=0).to(tl.int64) - base
-            n_le += tl.sum(((a <= t) & (k < hi)).to(tl.int32), axis=0)
-        b = tl.maximum(lo + n_le - 1, 0)
-        qs = tl.load(qsl_ptr + b * qsl_s).to(tl.int64) - base
-        qe = tl.load(qsl_ptr + (b + 1) * qsl_s).to(tl.int64) - base
-        seq = tl.load(seq_ptr + b * seq_s).to(tl.int64)
-        gl = tl.load(gl_ptr + b * gl_s).to(tl.int64)
-    covered = (t >= qs) & (t < qe)
+    out_row = out_ptr + t * out_s0
     pos = seq - (qe - qs) + (t - qs)
     live = pos >= 0
     tk = tl.where(live, tl.minimum(tl.maximum(pos + 1, 0) // RATIO, TOPK), 0)
@@ -185,59 +254,99 @@ def combine_kernel(
     # is negative or past INT32_MAX. As int32 column/index limits of this row:
     mb = M * b
     top_lo = _clamp32(-mb, INT32_MAX)
-    top_lim = _clamp32(tl.minimum(N, INT32_MAX - mb + 1), INT32_MAX)
+    top_n = tl.maximum(_clamp32(tl.minimum(N, INT32_MAX - mb + 1), INT32_MAX) - top_lo, 0).to(tl.uint32)
     w0 = pos - sw + 1 - tk - (seq - gl)            # w of column c is w0 + c
     swa_base = mb + N + w0                          # the value of column c is swa_base + c
     swa_lo = _clamp32(tl.maximum(tl.maximum(-w0, -swa_base), tk), width)
     swa_hi = _clamp32(tl.minimum(tl.minimum(tk + sw, M - N - w0), INT32_MAX - swa_base + 1), width)
+    swa_n = tl.maximum(swa_hi - swa_lo, 0).to(tl.uint32)
     top_base = mb.to(tl.int32)                      # wraps only where no column uses it
     swa_base = swa_base.to(tl.int32)
     tk32 = tk.to(tl.int32)
-    out_row = out_ptr + t * out_s0
-    if covered:
-        _combine_tile(loc, cols, width, tk32, top_lo, top_lim, top_base, swa_lo, swa_hi, swa_base, out_row, out_s1)
-        for c0 in range(BLOCK, width, BLOCK):
-            c = c0 + cols
-            loc = tl.load(top_row + c.to(tl.int64) * topk_s1, mask=c < tk, other=-1)
-            _combine_tile(loc, c, width, tk32, top_lo, top_lim, top_base, swa_lo, swa_hi, swa_base, out_row,
-                          out_s1)
+    if b >= 0:
+        # columns [0, mixed_end): top-k where c < tk, else SWA; then SWA or -1 up to the row width
+        mixed_end = 0
+        if TOPK > 0:
+            mixed_end = tl.maximum(tl.cdiv(tk32, BLOCK), 1) * BLOCK
+            for c0 in range(0, mixed_end, BLOCK):
+                c = c0 + cols
+                if c0 > 0:
+                    loc = tl.load(top_row + c.to(tl.int64) * topk_s1, mask=c < TOPK, other=-1)
+                top = tl.where((loc - top_lo).to(tl.uint32) < top_n, top_base + loc, -1)
+                val = tl.where(c < tk32, top, _swa_cols(c, swa_lo, swa_n, swa_base))
+                if TOPK % BLOCK == 0:
+                    tl.store(out_row + c.to(tl.int64) * out_s1, val)
+                else:
+                    tl.store(out_row + c.to(tl.int64) * out_s1, val, mask=c < width)
+        sc = tl.arange(0, SWA_BLOCK)
+        for c0 in range(mixed_end, width, SWA_BLOCK):
+            c = c0 + sc
+            tl.store(out_row + c.to(tl.int64) * out_s1, _swa_cols(c, swa_lo, swa_n, swa_base), mask=c < width)
         tl.store(lens_ptr + t * lens_s, (tk + sw).to(tl.int32))
     else:
         if WRITE_UNCOVERED:
-            for c0 in range(0, width, BLOCK):
-                c = c0 + cols
-                tl.store(out_row + c.to(tl.int64) * out_s1, tl.full((BLOCK,), -1, tl.int32), mask=c < width)
+            sc = tl.arange(0, SWA_BLOCK)
+            for c0 in range(0, width, SWA_BLOCK):
+                c = c0 + sc
+                tl.store(out_row + c.to(tl.int64) * out_s1, tl.full((SWA_BLOCK,), -1, tl.int32), mask=c < width)
             tl.store(lens_ptr + t * lens_s, 0)
+
+
+@triton.jit
+def combine_kernel(
+    topk_ptr, qsl_ptr, seq_ptr, gl_ptr, out_ptr, lens_ptr,
+    T, Rc, seg, M, N, width, topk_s0, topk_s1, qsl_s, seq_s, gl_s, out_s0, out_s1, lens_s,
+    WINDOW: tl.constexpr, RATIO: tl.constexpr, TOPK: tl.constexpr, WRITE_UNCOVERED: tl.constexpr,
+    BLOCK: tl.constexpr, SWA_BLOCK: tl.constexpr, SEARCH: tl.constexpr, ONE_ROUND: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # rows pid, pid + G, ... (G programs): the next row's first tile of top-k indices loads before this
+    # row's stores; with Rc <= SEARCH the request vectors load once per program
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    _pdl_start(PDL)
+    if ONE_ROUND:
+        base, a0, a1, seqv, glv = _request_vectors(qsl_ptr, seq_ptr, gl_ptr, Rc, qsl_s, seq_s, gl_s, SEARCH)
+    loc = cols * 0 - 1
+    if TOPK > 0:
+        loc = tl.load(topk_ptr + pid.to(tl.int64) * topk_s0 + cols.to(tl.int64) * topk_s1, mask=cols < TOPK,
+                      other=-1)
+    for t0 in range(pid, T, G):
+        t = tl.cast(t0, tl.int64)
+        if TOPK > 0:
+            loc_next = loc
+            if t + G < T:
+                loc_next = tl.load(topk_ptr + (t + G) * topk_s0 + cols.to(tl.int64) * topk_s1, mask=cols < TOPK,
+                                   other=-1)
+        if ONE_ROUND:
+            b, qs, qe, seq, gl = _request_pick(t, Rc, base, a0, a1, seqv, glv, SEARCH)
+        else:
+            b, qs, qe, seq, gl = _request_two_rounds(t, qsl_ptr, seq_ptr, gl_ptr, Rc, seg, qsl_s, seq_s, gl_s,
+                                                     SEARCH)
+        _combine_row(t, loc, b, qs, qe, seq, gl, topk_ptr, out_ptr, lens_ptr, M, N, width, topk_s0, topk_s1, out_s0,
+                     out_s1, lens_s, WINDOW, RATIO, TOPK, WRITE_UNCOVERED, BLOCK, SWA_BLOCK)
+        if TOPK > 0:
+            loc = loc_next
 
 
 # --- build_flashinfer_mixed_sparse_indices ------------------------------------------------------
 @triton.jit
-def _fi_decode_swa(v, c, Wswa, row, out_s1, SBS: tl.constexpr, SSPAN: tl.constexpr):
-    tl.store(row + c * out_s1, _i32(_remap(v, SBS, SSPAN)), mask=c < Wswa)
-
-
-@triton.jit
 def _fi_decode_comp(v, j, Kd, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
                     CBS: tl.constexpr, CSPAN: tl.constexpr, LOCAL: tl.constexpr):
     if LOCAL:
-        v = _lookup(cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, v, CBS)
-    o = tl.where(j < Kd, _i32(_remap(v, CBS, CSPAN)), -1)
-    tl.store(row + (Wswa + j) * out_s1, o, mask=j < P)
+        o = _table_slots(cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, 0, v, j < Kd, CBS, CSPAN)
+    else:
+        o = tl.where(j < Kd, _remap_slots(v, CBS, CSPAN), -1)
+    tl.store(row + (Wswa + j).to(tl.int64) * out_s1, o, mask=j < P)
     return (o >= 0).to(tl.int32)
-
-
-@triton.jit
-def _fi_prefill_swa(c, sw, s0, Wswa, row, out_s1, sbt_ptr, sbt_rows, sbt_cols, sbt_s0, sbt_s1, r,
-                    SBS: tl.constexpr, SSPAN: tl.constexpr):
-    s = _lookup(sbt_ptr, sbt_rows, sbt_cols, sbt_s0, sbt_s1, r, tl.where(c < sw, s0 + c, -1), SBS)
-    tl.store(row + c * out_s1, _i32(_remap(s, SBS, SSPAN)), mask=c < Wswa)
 
 
 @triton.jit
 def _fi_prefill_comp(loc, j, kk, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
                      CBS: tl.constexpr, CSPAN: tl.constexpr):
-    s = _lookup(cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, tl.where(j < kk, loc, -1), CBS)
-    tl.store(row + (Wswa + j) * out_s1, _i32(_remap(s, CBS, CSPAN)), mask=j < P)
+    s = _table_slots(cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, 0, loc, j < kk, CBS, CSPAN)
+    tl.store(row + (Wswa + j).to(tl.int64) * out_s1, s, mask=j < P)
 
 
 @triton.jit
@@ -250,11 +359,12 @@ def flashinfer_kernel(
     SBS: tl.constexpr, SSPAN: tl.constexpr, CBS: tl.constexpr, CSPAN: tl.constexpr,
     WINDOW: tl.constexpr, RATIO: tl.constexpr, TOPK: tl.constexpr, LOCAL: tl.constexpr,
     HAS_DLENS: tl.constexpr, HAS_DVALID: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH: tl.constexpr, ONE_ROUND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    cw = tl.arange(0, BLOCK_W).to(tl.int64)
-    cp = tl.arange(0, BLOCK_P).to(tl.int64)
+    cw = tl.arange(0, BLOCK_W)
+    cp = tl.arange(0, BLOCK_P)
     is_dec = t < Td
     tp = tl.where(is_dec, 0, t - Td)
     td = tl.where(is_dec, t, 0)
@@ -268,21 +378,26 @@ def flashinfer_kernel(
     _pdl_start(PDL)
     # the loads that need no other load: the request and the first tile of each index row
     r = tl.load(t2r_ptr + t * t2r_s).to(tl.int64)
-    vw = tl.load(dswa_row + cw * dswa_s1, mask=cw < n_wswa, other=-1).to(tl.int64)
-    vp = tl.load(dcomp_row + cp * dcomp_s1, mask=cp < n_kd, other=-1).to(tl.int64)
-    loc = tl.load(ptopk_row + cp * ptopk_s1, mask=cp < n_kp, other=-1).to(tl.int64)
+    vw = tl.load(dswa_row + cw.to(tl.int64) * dswa_s1, mask=cw < n_wswa, other=-1)
+    vp = tl.load(dcomp_row + cp.to(tl.int64) * dcomp_s1, mask=cp < n_kd, other=-1)
+    loc = tl.load(ptopk_row + cp.to(tl.int64) * ptopk_s1, mask=cp < n_kp, other=-1)
+    if ONE_ROUND:                       # all of query_start_loc and seq_lens (R < SEARCH) for a prefill row
+        ks = tl.arange(0, SEARCH)
+        n_r = tl.where(is_dec, -1, R)
+        qslv = tl.load(qsl_ptr + ks * qsl_s, mask=ks <= n_r, other=0)
+        seqv = tl.load(seq_ptr + ks * seq_s, mask=ks < n_r, other=0)
     row = out_ptr + t * out_s0
     if is_dec:
-        _fi_decode_swa(vw, cw, Wswa, row, out_s1, SBS, SSPAN)
+        tl.store(row + cw.to(tl.int64) * out_s1, _remap_slots(vw, SBS, SSPAN), mask=cw < Wswa)
         for c0 in range(BLOCK_W, Wswa, BLOCK_W):
             c = c0 + cw
-            v = tl.load(dswa_row + c * dswa_s1, mask=c < Wswa, other=-1).to(tl.int64)
-            _fi_decode_swa(v, c, Wswa, row, out_s1, SBS, SSPAN)
+            v = tl.load(dswa_row + c.to(tl.int64) * dswa_s1, mask=c < Wswa, other=-1)
+            tl.store(row + c.to(tl.int64) * out_s1, _remap_slots(v, SBS, SSPAN), mask=c < Wswa)
         count = _fi_decode_comp(vp, cp, Kd, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
                                 CBS, CSPAN, LOCAL)
         for j0 in range(BLOCK_P, P, BLOCK_P):
             j = j0 + cp
-            v = tl.load(dcomp_row + j * dcomp_s1, mask=j < Kd, other=-1).to(tl.int64)
+            v = tl.load(dcomp_row + j.to(tl.int64) * dcomp_s1, mask=j < Kd, other=-1)
             count += _fi_decode_comp(v, j, Kd, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1,
                                      r, CBS, CSPAN, LOCAL)
         if LOCAL:
@@ -299,44 +414,52 @@ def flashinfer_kernel(
     else:
         rok = (r >= 0) & (r < R)
         pos = r * 0 - 1                 # an out-of-range request: no window, no top-k
-        if rok:
+        if ONE_ROUND:                   # picked from the preloaded vectors: no load waits for r
+            rk = tl.where(rok, r, -2).to(tl.int32)
+            qs = tl.sum(tl.where(ks == rk, qslv, 0), axis=0).to(tl.int64)
+            qe = tl.sum(tl.where(ks == rk + 1, qslv, 0), axis=0).to(tl.int64)
+            seq = tl.sum(tl.where(ks == rk, seqv, 0), axis=0).to(tl.int64)
+            pos = tl.where(rok, seq - (qe - qs) + (t - qs), pos)
+        elif rok:
             qs = tl.load(qsl_ptr + r * qsl_s).to(tl.int64)
             qe = tl.load(qsl_ptr + (r + 1) * qsl_s).to(tl.int64)
             seq = tl.load(seq_ptr + r * seq_s).to(tl.int64)
             pos = seq - (qe - qs) + (t - qs)
         sw = tl.minimum(tl.maximum(pos + 1, 0), WINDOW)
-        s0 = pos - sw + 1
+        s0 = tl.maximum(pos - sw + 1, 0)             # the window's first position (any value when sw = 0)
         tk = tl.minimum(tl.maximum(pos + 1, 0) // RATIO, TOPK)
-        kk = tl.minimum(tk, Kp)
+        kk = tl.minimum(tk, Kp).to(tl.int32)
+        sw32 = sw.to(tl.int32)
         # the compressed part first: its table lookups need only r and the preloaded indices
         _fi_prefill_comp(loc, cp, kk, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
                          CBS, CSPAN)
         for j0 in range(BLOCK_P, P, BLOCK_P):
             j = j0 + cp
-            lj = tl.load(ptopk_row + j * ptopk_s1, mask=j < kk, other=-1).to(tl.int64)
+            lj = tl.load(ptopk_row + j.to(tl.int64) * ptopk_s1, mask=j < kk, other=-1)
             _fi_prefill_comp(lj, j, kk, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
                              CBS, CSPAN)
         for c0 in range(0, Wswa, BLOCK_W):
-            _fi_prefill_swa(c0 + cw, sw, s0, Wswa, row, out_s1, sbt_ptr, sbt_rows, sbt_cols, sbt_s0, sbt_s1, r,
-                            SBS, SSPAN)
+            c = c0 + cw
+            s = _table_slots(sbt_ptr, sbt_rows, sbt_cols, sbt_s0, sbt_s1, r, s0, c, c < sw32, SBS, SSPAN)
+            tl.store(row + c.to(tl.int64) * out_s1, s, mask=c < Wswa)
         tl.store(lens_ptr + t * lens_s, (Wswa + tk).to(tl.int32))
 
 
 # --- build_c128a_topk_metadata ------------------------------------------------------------------
 @triton.jit
 def _lookup_run(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, c0, n, BLOCK: tl.constexpr, BS: tl.constexpr):
-    """SPEC §0 lookup of positions j = c0 .. c0 + BLOCK - 1 (valid below n) for a scalar request id `r`, as
-    a [BLOCK // BS, BS] tile (j row-major) with one table entry per tile row: contiguous table loads where
-    the per-position `_lookup` gathers. BS a power of two <= BLOCK, c0 a multiple of BLOCK."""
+    """_i32(lookup) of positions j = c0 .. c0 + BLOCK - 1 (valid below n; int32) for a scalar request id `r`,
+    as a [BLOCK // BS, BS] tile (j row-major) with one table entry per tile row: contiguous table loads where
+    the per-position lookup gathers. BS a power of two <= BLOCK, c0 a multiple of BLOCK."""
     NB: tl.constexpr = BLOCK // BS
     rlim, rr = _table_row(r, bt_rows, bt_cols)
-    col = c0 // BS + tl.arange(0, NB).to(tl.int64)
-    k = tl.arange(0, BS).to(tl.int64)
+    col = c0 // BS + tl.arange(0, NB)
+    k = tl.arange(0, BS)
     j = col[:, None] * BS + k[None, :]
-    row_ok = (col < rlim) & (col * BS < n)
-    blk = tl.load(bt_ptr + rr * bt_s0 + col * bt_s1, mask=row_ok, other=-1).to(tl.int64)
-    ok = (j < n) & (row_ok & (blk >= 0))[:, None]
-    return tl.where(ok, blk[:, None] * BS + k[None, :], -1), j
+    row_ok = (col < tl.minimum(rlim, INT32_MAX).to(tl.int32)) & (col * BS < n)
+    blk = tl.load(bt_ptr + rr * bt_s0 + col.to(tl.int64) * bt_s1, mask=row_ok, other=-1)
+    ok = (j < n) & row_ok[:, None]
+    return tl.where(ok, _slot_span(blk[:, None], k[None, :], BS), -1), j
 
 
 @triton.jit
@@ -348,25 +471,25 @@ def c128a_kernel(
     t = tl.program_id(0).to(tl.int64)
     _pdl_start(PDL)
     pos = tl.load(pos_ptr + t * pos_s).to(tl.int64)
-    cols = tl.arange(0, BLOCK).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
     if t < Td:
         r = tl.load(t2r_ptr + t * t2r_s).to(tl.int64)
         slot = tl.load(slot_ptr + t * slot_s)
-        n = tl.minimum(tl.maximum(pos + 1, 0) // RATIO, Wd)
+        n = tl.minimum(tl.maximum(pos + 1, 0) // RATIO, Wd).to(tl.int32)
         for c0 in range(0, Wd, BLOCK):
             if (BS & (BS - 1)) == 0 and BS <= BLOCK:      # whole table entries per tile row
                 g, j = _lookup_run(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, c0, n, BLOCK, BS)
             else:
                 j = c0 + cols
-                g = _lookup(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, tl.where(j < n, j, -1), BS)
-            tl.store(g_ptr + t * g_s0 + j * g_s1, _i32(g), mask=j < Wd)
-        tl.store(dlens_ptr + t * dlens_s, tl.where(slot >= 0, n, 0).to(tl.int32))
+                g = _table_slots(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, 0, j, j < n, BS, BS)
+            tl.store(g_ptr + t * g_s0 + j.to(tl.int64) * g_s1, g, mask=j < Wd)
+        tl.store(dlens_ptr + t * dlens_s, tl.where(slot >= 0, n, 0))
     else:
-        n = tl.minimum(tl.maximum(pos + 1, 0) // RATIO, Wp)
+        n = tl.minimum(tl.maximum(pos + 1, 0) // RATIO, Wp).to(tl.int32)
         tp = t - Td
         for c0 in range(0, Wp, BLOCK):
             j = c0 + cols
-            tl.store(pf_ptr + tp * pf_s0 + j * pf_s1, tl.where(j < n, j, -1).to(tl.int32), mask=j < Wp)
+            tl.store(pf_ptr + tp * pf_s0 + j.to(tl.int64) * pf_s1, tl.where(j < n, j, -1), mask=j < Wp)
 
 
 # --- fill_short_context_topk_indices ------------------------------------------------------------
@@ -394,19 +517,34 @@ LAUNCHERS = {"global": GLOBAL_LAUNCHER, "combine": COMBINE_LAUNCHER, "flashinfer
 
 
 # --- constexprs and runtime arguments (shared by the ops and the compile matrix) ------------------
-# int32 columns per lane (so warps per program) of each kernel, measured on an H100 (NOTES.md)
-PER_THREAD = {"global": 4, "combine": 32, "flashinfer": 4, "c128a": 4, "fill": 4}
+# int32 columns per lane (so warps per program) of each kernel, and the row counts from which a kernel takes one
+# warp per row instead (its scalar work then is not repeated per warp; few rows are latency-bound and take more
+# warps). Measured on an H100 (NOTES.md): global 1 warp from 2048 rows; flashinfer keeps 4 warps at 4096 rows.
+PER_THREAD = {"global": 4, "combine": 16, "flashinfer": 4, "c128a": 4, "fill": 4}
+ONE_WARP_ROWS = {"global": 2048}
+ROW_PROGRAMS_PER_SM = 32    # combine: programs per SM; more rows than that loop, one row's loads ahead
 
 
-def _warps(target: platform.Target, block: int, kernel: str) -> int:
+def _warps(target: platform.Target, block: int, kernel: str, rows: int) -> int:
+    if rows >= ONE_WARP_ROWS.get(kernel, rows + 1):
+        return 1
     return platform.num_warps_for(target, block, per_thread=PER_THREAD[kernel])
 
 
+def request_search(entries: int) -> tuple[int, bool]:
+    """(SEARCH, ONE_ROUND) of a kernel that needs `entries` leading entries of query_start_loc (and the
+    per-request vectors beside it): all of them in one vector of a power of two >= MIN_SEARCH when they
+    number at most SEARCH (one round of loads), else SEARCH-wide steps."""
+    if entries <= SEARCH:
+        return max(MIN_SEARCH, triton.next_power_of_2(entries)), True
+    return SEARCH, False
 
-def global_constexprs(block_size: int, K: int, target: platform.Target) -> dict:
+
+
+def global_constexprs(block_size: int, K: int, rows: int, target: platform.Target) -> dict:
     block = block_for(K)
     return dict(BS=block_size, BLOCK=block, PDL=platform.supports_pdl(target),
-                num_warps=_warps(target, block, "global"))
+                num_warps=_warps(target, block, "global", rows))
 
 
 def global_runtime_args(topk, t2r, bt, valid, g, lens) -> tuple:
@@ -414,26 +552,34 @@ def global_runtime_args(topk, t2r, bt, valid, g, lens) -> tuple:
             *g.stride(), lens.stride(0))
 
 
-def combine_constexprs(window_size: int, compress_ratio: int, topk: int, write_uncovered: bool,
+def combine_constexprs(window_size: int, compress_ratio: int, topk: int, write_uncovered: bool, Rc: int, rows: int,
                        target: platform.Target) -> dict:
-    block = block_for(layout.combine_width(topk, window_size))
+    block, swa_block = block_for(topk), block_for(window_size)
+    search, one_round = request_search(Rc)      # qsl[k], qsl[k + 1], seq_lens[k], gather_lens[k] for k < Rc
     return dict(WINDOW=window_size, RATIO=compress_ratio, TOPK=topk, WRITE_UNCOVERED=write_uncovered, BLOCK=block,
-                SEARCH=SEARCH, PDL=platform.supports_pdl(target), num_warps=_warps(target, block, "combine"))
+                SWA_BLOCK=swa_block, SEARCH=search, ONE_ROUND=one_round, PDL=platform.supports_pdl(target),
+                num_warps=_warps(target, max(block, swa_block), "combine", rows))
 
 
-def combine_runtime_args(Rc: int, M: int, N: int, topk, qsl, seq, gl, out, lens) -> tuple:
-    return (Rc, layout.cdiv(Rc, SEARCH), M, N, out.shape[1], *topk.stride(), qsl.stride(0), seq.stride(0),
-            gl.stride(0), *out.stride(), lens.stride(0))
+def row_programs(rows: int, device: torch.device) -> int:
+    """Programs of a row-looping kernel: one per row up to ROW_PROGRAMS_PER_SM per multiprocessor."""
+    return max(1, min(rows, ROW_PROGRAMS_PER_SM * device_multiprocessors(device)))
+
+
+def combine_runtime_args(Tq: int, Rc: int, M: int, N: int, topk, qsl, seq, gl, out, lens) -> tuple:
+    return (Tq, Rc, layout.cdiv(Rc, request_search(Rc)[0]), M, N, out.shape[1], *topk.stride(), qsl.stride(0),
+            seq.stride(0), gl.stride(0), *out.stride(), lens.stride(0))
 
 
 def flashinfer_constexprs(swa_block_size, swa_span, compressed_block_size, compressed_span, window_size,
                           compress_ratio, topk, local: bool, has_dlens: bool, has_dvalid: bool, wswa: int, P: int,
-                          target: platform.Target) -> dict:
+                          R: int, rows: int, target: platform.Target) -> dict:
     block_w, block_p = block_for(wswa), block_for(P)
+    search, one_round = request_search(R + 1)   # qsl[k] for k <= R, seq_lens[k] for k < R
     return dict(SBS=swa_block_size, SSPAN=swa_span, CBS=compressed_block_size, CSPAN=compressed_span,
                 WINDOW=window_size, RATIO=compress_ratio, TOPK=topk, LOCAL=local, HAS_DLENS=has_dlens,
-                HAS_DVALID=has_dvalid, BLOCK_W=block_w, BLOCK_P=block_p, PDL=platform.supports_pdl(target),
-                num_warps=_warps(target, max(block_w, block_p), "flashinfer"))
+                HAS_DVALID=has_dvalid, BLOCK_W=block_w, BLOCK_P=block_p, SEARCH=search, ONE_ROUND=one_round,
+                PDL=platform.supports_pdl(target), num_warps=_warps(target, max(block_w, block_p), "flashinfer", rows))
 
 
 def flashinfer_runtime_args(Td, Wswa, Kd, Kp, P, R, dswa, dcomp_strides, dlens_s, ptopk, qsl, seq, t2r, sbt, cbt,
@@ -443,10 +589,10 @@ def flashinfer_runtime_args(Td, Wswa, Kd, Kp, P, R, dswa, dcomp_strides, dlens_s
             *cbt.stride(), dvalid_s, *out.stride(), lens.stride(0))
 
 
-def c128a_constexprs(compress_ratio: int, block_size: int, width: int, target: platform.Target) -> dict:
+def c128a_constexprs(compress_ratio: int, block_size: int, width: int, rows: int, target: platform.Target) -> dict:
     block = block_for(width)
     return dict(RATIO=compress_ratio, BS=block_size, BLOCK=block, PDL=platform.supports_pdl(target),
-                num_warps=_warps(target, block, "c128a"))
+                num_warps=_warps(target, block, "c128a", rows))
 
 
 def c128a_runtime_args(Td, Wd, Wp, pos, t2r, bt, slot, g, dlens, pf) -> tuple:
@@ -454,10 +600,10 @@ def c128a_runtime_args(Td, Wd, Wp, pos, t2r, bt, slot, g, dlens, pf) -> tuple:
             *g.stride(), dlens.stride(0), *pf.stride())
 
 
-def fill_constexprs(topk: int, compress_ratio: int, target: platform.Target) -> dict:
+def fill_constexprs(topk: int, compress_ratio: int, rows: int, target: platform.Target) -> dict:
     block = block_for(topk)
     return dict(TOPK=topk, RATIO=compress_ratio, BLOCK=block, PDL=platform.supports_pdl(target),
-                num_warps=_warps(target, block, "fill"))
+                num_warps=_warps(target, block, "fill", rows))
 
 
 def fill_runtime_args(topk_indices, positions) -> tuple:
@@ -481,41 +627,50 @@ def matrix_cases(target: platform.Target) -> list:
     cases = []
     for bt_dtype in (i32, i64):
         tag = "bt32" if bt_dtype == i32 else "bt64"
-        for K, bs in ((512, 64), (1024, 64), (512, 2)):
-            meta = global_constexprs(bs, K, target)
-            cases.append(_case(target, f"global_topk.K{K}.bs{bs}.{tag}", global_topk_kernel,
+        for K, bs, rows in ((512, 64, 64), (1024, 64, 64), (512, 2, 64), (512, 64, 16384)):
+            meta = global_constexprs(bs, K, rows, target)
+            cases.append(_case(target, f"global_topk.K{K}.bs{bs}.rows{rows}.{tag}", global_topk_kernel,
                                (Ptr(i32), Ptr(i32), Ptr(bt_dtype), Ptr(b8), Ptr(i32), Ptr(i32)),
                                (K, K, 1, 1, 7, 33, 33, 1, 1, K, 1, 1), meta))
-        for topk, window, ratio in ((512, 128, 4), (1024, 128, 4), (0, 128, 1), (8192, 128, 128)):
-            for local, has_dlens, has_dvalid in ((True, False, True), (False, True, False), (False, False, False)):
-                wswa, P = window, layout.flashinfer_compressed_width(topk, topk)
-                for span in (None, 2):
-                    sbs, cbs = 64, (256 // ratio if ratio > 1 else 64)
-                    sspan = sbs if span is None else sbs * span
-                    cspan = cbs if span is None else cbs * span
-                    meta = flashinfer_constexprs(sbs, sspan, cbs, cspan, window, ratio, topk, local, has_dlens,
-                                                 has_dvalid, wswa, P, target)
-                    tensors = (Ptr(i32), Ptr(i32), Ptr(i32), Ptr(i32), Ptr(i32), Ptr(i32), Ptr(i32), Ptr(bt_dtype),
-                               Ptr(bt_dtype), Ptr(b8), Ptr(i32), Ptr(i32))
-                    ints = (3, wswa, topk, topk, P, 5, wswa, 1, topk, 1, 1, topk, 1, 1, 1, 1, 5, 33, 33, 1, 5, 33,
-                            33, 1, 1, wswa + P, 1, 1)
-                    name = f"flashinfer.topk{topk}.w{window}.r{ratio}.{'local' if local else 'global'}" \
-                           f"{'.dlens' if has_dlens else ''}{'.span' if span else ''}.{tag}"
-                    cases.append(_case(target, name, flashinfer_kernel, tensors, ints, meta))
-        meta = c128a_constexprs(128, 2, 8192, target)
+        fi_configs = [(topk, window, ratio, flags, span, 5, 64) for topk, window, ratio in
+                      ((512, 128, 4), (1024, 128, 4), (0, 128, 1), (8192, 128, 128))
+                      for flags in ((True, False, True), (False, True, False), (False, False, False))
+                      for span in (None, 2)]
+        fi_configs += [(512, 128, 4, (True, False, True), None, R, rows) for R, rows in
+                       ((5, 4096), (SEARCH + 44, 64))]     # many rows; two rounds of loads
+        for topk, window, ratio, (local, has_dlens, has_dvalid), span, R, rows in fi_configs:
+            wswa, P = window, layout.flashinfer_compressed_width(topk, topk)
+            sbs, cbs = 64, (256 // ratio if ratio > 1 else 64)
+            sspan = sbs if span is None else sbs * span
+            cspan = cbs if span is None else cbs * span
+            meta = flashinfer_constexprs(sbs, sspan, cbs, cspan, window, ratio, topk, local, has_dlens, has_dvalid,
+                                         wswa, P, R, rows, target)
+            tensors = (Ptr(i32), Ptr(i32), Ptr(i32), Ptr(i32), Ptr(i32), Ptr(i32), Ptr(i32), Ptr(bt_dtype),
+                       Ptr(bt_dtype), Ptr(b8), Ptr(i32), Ptr(i32))
+            ints = (3, wswa, topk, topk, P, R, wswa, 1, topk, 1, 1, topk, 1, 1, 1, 1, 5, 33, 33, 1, 5, 33,
+                    33, 1, 1, wswa + P, 1, 1)
+            name = f"flashinfer.topk{topk}.w{window}.r{ratio}.{'local' if local else 'global'}" \
+                   f"{'.dlens' if has_dlens else ''}{'.span' if span else ''}.R{R}.rows{rows}.{tag}"
+            cases.append(_case(target, name, flashinfer_kernel, tensors, ints, meta))
+        meta = c128a_constexprs(128, 2, 8192, 64, target)
         cases.append(_case(target, f"c128a.r128.bs2.{tag}", c128a_kernel,
                            (Ptr(i64), Ptr(i32), Ptr(bt_dtype), Ptr(i64), Ptr(i32), Ptr(i32), Ptr(i32)),
                            (3, 8192, 8192, 1, 1, 3, 4096, 4096, 1, 1, 8192, 1, 1, 8192, 1), meta))
-    for topk, window, ratio in ((512, 128, 4), (1024, 128, 4), (0, 128, 1), (8192, 128, 128), (512, 100, 4)):
-        for write_uncovered in (True, False):
-            meta = combine_constexprs(window, ratio, topk, write_uncovered, target)
-            C = layout.combine_width(topk, window)
-            cases.append(_case(target, f"combine.topk{topk}.w{window}.r{ratio}.{'fresh' if write_uncovered else 'out'}",
-                               combine_kernel, (Ptr(i32),) * 6,
-                               (5, 1, 1000, 500, C, max(topk, 1), 1, 1, 1, 1, C, 1, 1), meta))
+    combine_configs = [(topk, window, ratio, wu, Rc, i32) for topk, window, ratio in
+                       ((512, 128, 4), (1024, 128, 4), (0, 128, 1), (8192, 128, 128), (512, 100, 4))
+                       for wu in (True, False) for Rc in (5, SEARCH + 44)]
+    combine_configs.append((512, 128, 4, True, 200, i64))     # int64 qsl / seq_lens / gather_lens
+    for topk, window, ratio, write_uncovered, Rc, req_dtype in combine_configs:
+        meta = combine_constexprs(window, ratio, topk, write_uncovered, Rc, 4096, target)
+        C = layout.combine_width(topk, window)
+        name = f"combine.topk{topk}.w{window}.r{ratio}.{'fresh' if write_uncovered else 'out'}.Rc{Rc}" \
+               f"{'.req64' if req_dtype == i64 else ''}"
+        tensors = (Ptr(i32), Ptr(req_dtype), Ptr(req_dtype), Ptr(req_dtype), Ptr(i32), Ptr(i32))
+        ints = (4096, Rc, layout.cdiv(Rc, request_search(Rc)[0]), 1000, 500, C, max(topk, 1), 1, 1, 1, 1, C, 1, 1)
+        cases.append(_case(target, name, combine_kernel, tensors, ints, meta))
     for pos_dtype in (i32, i64):
         for topk, ratio in ((512, 4), (1024, 4), (8192, 128)):
-            meta = fill_constexprs(topk, ratio, target)
+            meta = fill_constexprs(topk, ratio, 64, target)
             cases.append(_case(target, f"fill_short.topk{topk}.r{ratio}.{'pos32' if pos_dtype == i32 else 'pos64'}",
                                fill_short_kernel, (Ptr(i32), Ptr(pos_dtype)), (topk, 1, 1), meta))
     return dedupe(cases)

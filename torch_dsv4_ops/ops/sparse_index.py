@@ -195,7 +195,7 @@ def _global_launch(topk_indices, token_to_req_indices, block_table, block_size, 
             tensors = (topk_indices, token_to_req_indices, block_table, is_valid_token, g, lens)
             target = platform.target_for(g.device)
             launch = bind_rows(kernels.GLOBAL_LAUNCHER, T, tensors,
-                           kernels.global_runtime_args(*tensors), kernels.global_constexprs(block_size, K, target),
+                           kernels.global_runtime_args(*tensors), kernels.global_constexprs(block_size, K, T, target),
                            g.device)
         _PLANS.remember(sig, launch)
     if launch is not None:
@@ -275,10 +275,11 @@ def _combine_launch(topk_indices, query_start_loc, seq_lens, gather_lens, window
         if Tq > 0 and Rc > 0:
             tensors = (topk_indices, query_start_loc, seq_lens, gather_lens, out, lens)
             target = platform.target_for(out.device)
-            launch = bind_rows(kernels.COMBINE_LAUNCHER, Tq, tensors,
-                           kernels.combine_runtime_args(Rc, M, N, topk_indices, query_start_loc, seq_lens,
+            launch = bind_rows(kernels.COMBINE_LAUNCHER, kernels.row_programs(Tq, out.device), tensors,
+                           kernels.combine_runtime_args(Tq, Rc, M, N, topk_indices, query_start_loc, seq_lens,
                                                         gather_lens, out, lens),
-                           kernels.combine_constexprs(window_size, compress_ratio, topk, fresh, target), out.device)
+                           kernels.combine_constexprs(window_size, compress_ratio, topk, fresh, Rc, Tq,
+                                                      target), out.device)
         _PLANS.remember(sig, launch)
     if launch is not None:
         launch(topk_indices, query_start_loc, seq_lens, gather_lens, out, lens)
@@ -387,7 +388,8 @@ def _flashinfer_launch(args, out, lens):
                 dvalid.stride(0) if dvalid is not None else 0, out, lens)
             meta = kernels.flashinfer_constexprs(sbs, sbs if sspan is None else sspan, cbs,
                                                  cbs if cspan is None else cspan, window, ratio, topk, bool(local),
-                                                 dlens is not None, dvalid is not None, Wswa, P, target)
+                                                 dlens is not None, dvalid is not None, Wswa, P, R, Td + Tp,
+                                                 target)
             launch = bind_rows(kernels.FLASHINFER_LAUNCHER, Td + Tp, tensors, ints, meta, out.device)
             launch = (launch, dcomp is None, dlens is None, cbt is None, dvalid is None)
         _PLANS.remember(sig, launch)
@@ -529,7 +531,7 @@ def _c128a_kernel(positions, compress_ratio, num_decode_tokens, token_to_req_ind
                        decode_lens_buffer, prefill_buffer)
             target = platform.target_for(positions.device)
             launch = bind_rows(kernels.C128A_LAUNCHER, T, tensors, kernels.c128a_runtime_args(Td, Wd, Wp, *tensors),
-                           kernels.c128a_constexprs(compress_ratio, block_size, max(Wd, Wp), target),
+                           kernels.c128a_constexprs(compress_ratio, block_size, max(Wd, Wp), T, target),
                            positions.device)
         _PLANS.remember(sig, launch)
     if launch is not None:
@@ -576,7 +578,7 @@ def _fill_kernel(topk_indices, positions, topk, compress_ratio):
             target = platform.target_for(positions.device)
             launch = bind_rows(kernels.FILL_LAUNCHER, T, (topk_indices, positions),
                            kernels.fill_runtime_args(topk_indices, positions),
-                           kernels.fill_constexprs(topk, compress_ratio, target), positions.device)
+                           kernels.fill_constexprs(topk, compress_ratio, T, target), positions.device)
         _PLANS.remember(sig, launch)
     if launch is not None:
         launch(topk_indices, positions)
