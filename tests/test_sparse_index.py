@@ -383,6 +383,26 @@ def test_random_combine(device, kind, row_programs):
     assert L(r[2][:Tq]) == rows and L(r[3][:Tq]) == lens and L(r[2][Tq:]) == [[5] * 13] * 2
 
 
+def test_combine_overlapping_requests(device):
+    """A query_start_loc that is not non-decreasing: rows 3 and 4 lie in requests 0 and 2, and the
+    reference's later request wins (the kernel's one-round search takes the last covering request)."""
+    g = torch.Generator().manual_seed(5)
+    qsl = i32([10, 15, 13, 18])
+    seq, gl = i32([30, 9, 40]), i32([8, 4, 9])
+    topk_idx = torch.randint(-1, 12, (8, 4), generator=g, dtype=torch.int32)
+    args = (topk_idx, qsl, seq, gl, 8, 4, 4, 60, 12)
+
+    def fn(dev):
+        return d.combine_topk_swa_indices(*[x.to(dev) if isinstance(x, torch.Tensor) else x for x in args])
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "combine, overlapping requests")
+    a = [x.tolist() if isinstance(x, torch.Tensor) else x for x in args]
+    rows, lens = o_combine(*a, width=layout.combine_width(4, 8))
+    assert L(r[0]) == rows and L(r[1]) == lens
+    assert L(r[0])[3][0] == (2 * 60 + L(topk_idx)[3][0] if 0 <= L(topk_idx)[3][0] < 12 else -1)   # request 2
+
+
 def test_combine_many_requests_two_level_search(device):
     """Rc >= kernels.SEARCH takes the kernel's two-level search of query_start_loc (pivots, then one
     segment): rows of a batch of mostly empty requests land on the right request."""
