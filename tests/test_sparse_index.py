@@ -361,15 +361,16 @@ def row_programs(request, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", BATCHES)
-def test_random_combine(device, kind, row_programs):
+@pytest.mark.parametrize("topk, out_width", [(3, 13), (150, 300)])
+def test_random_combine(device, kind, topk, out_width, row_programs):
     b = make_batch(kind, 2)
-    args = combine_case(b)
+    args = combine_case(b, topk=topk)
     Tq, C = args[0].shape[0], layout.combine_width(args[6], args[4])
 
     def fn(dev):
         a = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in args]
         fresh = d.combine_topk_swa_indices(*a)
-        out = (torch.full((Tq + 2, 13), 5, dtype=torch.int32, device=dev),
+        out = (torch.full((Tq + 2, out_width), 5, dtype=torch.int32, device=dev),
                torch.full((Tq + 2,), 5, dtype=torch.int32, device=dev))
         d.combine_topk_swa_indices(*a, out=out)
         return fresh + out
@@ -379,8 +380,34 @@ def test_random_combine(device, kind, row_programs):
     a = [x.tolist() if isinstance(x, torch.Tensor) else x for x in args]
     rows, lens = o_combine(*a, width=C)
     assert L(r[0]) == rows and L(r[1]) == lens
-    rows, lens = o_combine(*a, width=13, out_rows=[[5] * 13] * Tq, out_lens=[5] * Tq)
-    assert L(r[2][:Tq]) == rows and L(r[3][:Tq]) == lens and L(r[2][Tq:]) == [[5] * 13] * 2
+    rows, lens = o_combine(*a, width=out_width, out_rows=[[5] * out_width] * Tq, out_lens=[5] * Tq)
+    assert L(r[2][:Tq]) == rows and L(r[3][:Tq]) == lens and L(r[2][Tq:]) == [[5] * out_width] * 2
+
+
+@pytest.mark.parametrize("out_width", [None, 500])
+def test_combine_long_rows(device, out_width, row_programs):
+    """Rows with a long top-k part (tk = 259 and 300 of a 300-column top-k, width 384 or 500): a tile
+    that is not a power of two wide, then SWA and -1 columns past it."""
+    g = torch.Generator().manual_seed(9)
+    N = 420
+    topk_idx = torch.randint(-1, N + 3, (6, 300), generator=g, dtype=torch.int32)
+    args = (topk_idx, i32([7, 9, 13]), i32([260, 400]), i32([9, 11]), 8, 1, 300, N + 20, N)
+
+    def fn(dev):
+        a = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in args]
+        if out_width is None:
+            return d.combine_topk_swa_indices(*a)
+        out = (torch.full((7, out_width), 5, dtype=torch.int32, device=dev),
+               torch.full((7,), 5, dtype=torch.int32, device=dev))
+        d.combine_topk_swa_indices(*a, out=out)
+        return out
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, "combine, long rows")
+    a = [x.tolist() if isinstance(x, torch.Tensor) else x for x in args]
+    width = out_width or layout.combine_width(300, 8)
+    rows, lens = o_combine(*a, width=width, out_rows=[[5] * width] * 6, out_lens=[5] * 6)
+    assert L(r[0][:6]) == rows and L(r[1][:6]) == lens and max(lens) == 308
 
 
 def test_combine_overlapping_requests(device):
