@@ -348,6 +348,20 @@ def combine_case(b, topk=3, chunk=None):
         window, ratio, topk, M, N
 
 
+def combine_matches_oracle(device, args, what):
+    """combine_topk_swa_indices(*args) into fresh outputs under the kernel and the reference: equal to each
+    other and to the oracle. Returns the reference's (combined, lens)."""
+    def fn(dev):
+        return d.combine_topk_swa_indices(*[x.to(dev) if isinstance(x, torch.Tensor) else x for x in args])
+
+    k, r = run_both(device, fn)
+    assert_same(k, r, what)
+    a = [x.tolist() if isinstance(x, torch.Tensor) else x for x in args]
+    rows, lens = o_combine(*a, width=layout.combine_width(args[6], args[4]))
+    assert L(r[0]) == rows and L(r[1]) == lens
+    return r
+
+
 @pytest.fixture(params=["programs per row", "rows per program"])
 def row_programs(request, monkeypatch):
     """Kernels that loop over rows: one row per program, or every program looping (one per SM)."""
@@ -418,15 +432,7 @@ def test_combine_overlapping_requests(device):
     seq, gl = i32([30, 9, 40]), i32([8, 4, 9])
     topk_idx = torch.randint(-1, 12, (8, 4), generator=g, dtype=torch.int32)
     args = (topk_idx, qsl, seq, gl, 8, 4, 4, 60, 12)
-
-    def fn(dev):
-        return d.combine_topk_swa_indices(*[x.to(dev) if isinstance(x, torch.Tensor) else x for x in args])
-
-    k, r = run_both(device, fn)
-    assert_same(k, r, "combine, overlapping requests")
-    a = [x.tolist() if isinstance(x, torch.Tensor) else x for x in args]
-    rows, lens = o_combine(*a, width=layout.combine_width(4, 8))
-    assert L(r[0]) == rows and L(r[1]) == lens
+    r = combine_matches_oracle(device, args, "combine, overlapping requests")
     assert L(r[0])[3][0] == (2 * 60 + L(topk_idx)[3][0] if 0 <= L(topk_idx)[3][0] < 12 else -1)   # request 2
 
 
@@ -445,15 +451,7 @@ def test_combine_many_requests_two_level_search(device):
     Tq, N = int(qlens.sum()), 12
     topk_idx = torch.randint(-1, N + 2, (Tq, 4), generator=g, dtype=torch.int32)
     args = (topk_idx, qsl, seq, gl, 8, 4, 4, N + 50, N)
-
-    def fn(dev):
-        return d.combine_topk_swa_indices(*[x.to(dev) if isinstance(x, torch.Tensor) else x for x in args])
-
-    k, r = run_both(device, fn)
-    assert_same(k, r, "combine, two-level search")
-    a = [x.tolist() if isinstance(x, torch.Tensor) else x for x in args]
-    rows, lens = o_combine(*a, width=layout.combine_width(4, 8))
-    assert L(r[0]) == rows and L(r[1]) == lens
+    combine_matches_oracle(device, args, "combine, two-level search")
 
 
 def flashinfer_case(b, local=True, topk=5, span=None, with_lens=False, wswa=10):
