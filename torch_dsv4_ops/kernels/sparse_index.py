@@ -165,6 +165,12 @@ def global_topk_kernel(
 
 # --- combine_topk_swa_indices -------------------------------------------------------------------
 @triton.jit
+def _pick(vec, ks, k):
+    """vec[k] of a vector held in registers (k a scalar index into it; 0 where no ks equals k)."""
+    return tl.sum(tl.where(ks == k, vec, 0), axis=0)
+
+
+@triton.jit
 def _narrow_like(x, like):
     """An int64 scalar x (at least the minimum of like's dtype) as like's dtype, clamped to its maximum:
     `like <= x` keeps its truth."""
@@ -195,12 +201,9 @@ def _request_pick(t, Rc, base, a0, a1, seqv, glv, SEARCH: tl.constexpr):
     ks = tl.arange(0, SEARCH)
     thr = _narrow_like(t + base.to(tl.int64), a0)      # qsl[k] - base <= t  <=>  qsl[k] <= thr
     b = tl.max(tl.where((ks < Rc) & (a0 <= thr) & (a1 > thr), ks, -1), axis=0)
-    sel = ks == b
-    qs = tl.sum(tl.where(sel, a0, 0), axis=0).to(tl.int64) - base
-    qe = tl.sum(tl.where(sel, a1, 0), axis=0).to(tl.int64) - base
-    seq = tl.sum(tl.where(sel, seqv, 0), axis=0).to(tl.int64)
-    gl = tl.sum(tl.where(sel, glv, 0), axis=0).to(tl.int64)
-    return b.to(tl.int64), qs, qe, seq, gl
+    qs = _pick(a0, ks, b).to(tl.int64) - base
+    qe = _pick(a1, ks, b).to(tl.int64) - base
+    return b.to(tl.int64), qs, qe, _pick(seqv, ks, b).to(tl.int64), _pick(glv, ks, b).to(tl.int64)
 
 
 @triton.jit
@@ -416,9 +419,9 @@ def flashinfer_kernel(
         pos = r * 0 - 1                 # an out-of-range request: no window, no top-k
         if ONE_ROUND:                   # picked from the preloaded vectors: no load waits for r
             rk = tl.where(rok, r, -2).to(tl.int32)
-            qs = tl.sum(tl.where(ks == rk, qslv, 0), axis=0).to(tl.int64)
-            qe = tl.sum(tl.where(ks == rk + 1, qslv, 0), axis=0).to(tl.int64)
-            seq = tl.sum(tl.where(ks == rk, seqv, 0), axis=0).to(tl.int64)
+            qs = _pick(qslv, ks, rk).to(tl.int64)
+            qe = _pick(qslv, ks, rk + 1).to(tl.int64)
+            seq = _pick(seqv, ks, rk).to(tl.int64)
             pos = tl.where(rok, seq - (qe - qs) + (t - qs), pos)
         elif rok:
             qs = tl.load(qsl_ptr + r * qsl_s).to(tl.int64)
