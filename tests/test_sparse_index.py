@@ -439,8 +439,6 @@ def test_combine_overlapping_requests(device):
 def test_combine_many_requests_two_level_search(device):
     """Rc >= kernels.SEARCH takes the kernel's two-level search of query_start_loc (pivots, then one
     segment): rows of a batch of mostly empty requests land on the right request."""
-    from torch_dsv4_ops.kernels import sparse_index as kernels
-
     g = torch.Generator().manual_seed(11)
     Rc = kernels.SEARCH + 37
     qlens = torch.zeros(Rc, dtype=torch.int64)
