@@ -436,6 +436,29 @@ def test_combine_overlapping_requests(device):
     assert L(r[0])[3][0] == (2 * 60 + L(topk_idx)[3][0] if 0 <= L(topk_idx)[3][0] < 12 else -1)   # request 2
 
 
+def test_combine_decode_rows_later_request_covers(device):
+    """Decode rows t of request t (the kernel's search-free path, kernels._request_decode) where
+    query_start_loc decreases later on: request 3 also covers rows 0..3 and wins; with a non-decreasing
+    query_start_loc request t wins; an empty last request leaves its row uncovered; row 1 of request 0 lies
+    before the (empty) request 1."""
+    g = torch.Generator().manual_seed(6)
+    seq, gl = i32([9, 12, 7, 20, 5]), i32([3, 8, 2, 9, 4])
+    topk_idx = torch.randint(-1, 10, (5, 4), generator=g, dtype=torch.int32)
+    r = combine_matches_oracle(device, (topk_idx, i32([0, 1, 2, 3, 4, 5]), seq, gl, 8, 4, 4, 60, 10),
+                               "combine, decode rows")
+    assert L(r[1]) == [min(s // 4, 4) + min(s, 8) for s in L(seq)]
+    qsl = i32([0, 1, 2, 0, 4, 5])                  # request 2 is empty, request 3 covers rows 0..3
+    r = combine_matches_oracle(device, (topk_idx, qsl, seq, gl, 8, 4, 4, 60, 10), "combine, decode rows, overlap")
+    pos3 = 20 - 4 + 0                               # row 0 as request 3's first token
+    assert L(r[1])[0] == min((pos3 + 1) // 4, 4) + min(pos3 + 1, 8)
+    r = combine_matches_oracle(device, (topk_idx, i32([0, 1, 2, 3, 4, 4]), seq, gl, 8, 4, 4, 60, 10),
+                               "combine, decode rows, last request empty")
+    assert L(r[1])[4] == 0 and set(L(r[0])[4]) == {-1}      # row 4: no request covers it
+    r = combine_matches_oracle(device, (topk_idx, i32([0, 2, 2, 3, 4, 5]), seq, gl, 8, 4, 4, 60, 10),
+                               "combine, decode rows, request 1 empty")
+    assert L(r[1])[1] == min(9 // 4, 4) + min(9, 8)           # row 1 is request 0's second token (pos 8)
+
+
 def test_combine_many_requests_two_level_search(device):
     """Rc >= kernels.SEARCH takes the kernel's two-level search of query_start_loc (pivots, then one
     segment): rows of a batch of mostly empty requests land on the right request."""
@@ -463,6 +486,8 @@ def flashinfer_case(b, local=True, topk=5, span=None, with_lens=False, wswa=10):
     ptopk = torch.randint(-2, 50, (Tp, 4), generator=g, dtype=torch.int32)
     cbt = torch.randint(-1, 300, b["bt"].shape, generator=g).to(b["bt"].dtype)
     dvalid = torch.tensor(b["valid"][:Td], dtype=torch.bool)
+    if Td:
+        dvalid[0] = False                       # a padded decode token: its length counts no compressed entry
     return (dswa, dcomp, dlens, ptopk, torch.tensor(b["qsl"], dtype=torch.int32), torch.tensor(b["seq"],
             dtype=torch.int32), torch.tensor(b["t2r"], dtype=torch.int32), b["bt"], b["bs"], cbt, 2, b["window"],
             b["ratio"], topk, local, dvalid if local else None, span, span and 2 * span)
@@ -656,6 +681,39 @@ def test_hostile_flashinfer(device):
     WSWA_HINT[0] = 4
     assert L(r[0]) == o_flashinfer(*[x.tolist() if isinstance(x, torch.Tensor) else x for x in args])[0]
     assert L(r[0][2]) == [-1] * 8 and L(r[1][2]) == 4    # request id 9 is out of range
+
+
+@pytest.mark.parametrize("guess", [True, False])
+def test_c128a_token_request_guess(device, guess, monkeypatch):
+    """Decode token t of a request other than t (the kernel's first tile of table row t, read before
+    token_to_req arrives, must be dropped), of request t with a row shorter than the tile, and of an
+    out-of-range request; with the guess (small launches) and without it (kernels.GUESS_ROWS = 0)."""
+    from torch_dsv4_ops.ops import sparse_index as ops
+
+    if not guess:
+        monkeypatch.setattr(kernels, "GUESS_ROWS", 0)
+    ops._PLANS.clear()
+    g = torch.Generator().manual_seed(17)
+    bt = torch.randint(0, 300, (8, 6), generator=g, dtype=torch.int32)
+    bt[1, 2] = -1
+    t2r = i32([0, 4, 2, 7, 1, 9, 6])                # rows 0, 2 and 6 are request t's; 9 is past the table
+    positions = torch.tensor([40, 3, 17, 47, -1, 30, 11, 25], dtype=torch.int64)
+    Td, mct = 7, 8192
+    slots = torch.tensor([1, 2, -1, 4, 5, 6, 7, 8], dtype=torch.int64)
+
+    def fn(dev):
+        bufs = (torch.full((Td, 13), 3, dtype=torch.int32, device=dev),
+                torch.full((Td,), 3, dtype=torch.int32, device=dev), torch.full((1, 5), 3, dtype=torch.int32, device=dev))
+        d.build_c128a_topk_metadata(positions.to(dev), 2, Td, t2r.to(dev), bt.to(dev), 4, slots.to(dev), *bufs, mct)
+        return bufs
+
+    k, r = run_both(device, fn)
+    ops._PLANS.clear()
+    assert_same(k, r, "c128a, token/request guess")
+    expected = o_c128a(positions.tolist(), 2, Td, t2r.tolist(), bt.tolist(), 4, slots.tolist(), [[3] * 13] * Td,
+                       [3] * Td, [[3] * 5], mct)
+    assert [L(x) for x in r] == list(expected)
+    assert L(r[0])[1][:3] == [o32(o_lookup(bt.tolist(), 4, j, 4)) for j in (0, 1)] + [-1]   # request 4's row
 
 
 def test_hostile_c128a_width_limits(device):

@@ -130,6 +130,24 @@ def _table_slots(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, p0, q, ok, BS: tl.co
     return out
 
 
+@triton.jit
+def _table_slots_few(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, p0, q, ok, BS: tl.constexpr, SPAN: tl.constexpr,
+                     NE: tl.constexpr):
+    """_table_slots for offsets q within [0, (NE - 1) * BS]: NE scalar table loads and per-column selects
+    instead of one gather per column. Power-of-two BS <= SPAN only."""
+    rlim, rr = _table_row(r, bt_rows, bt_cols)
+    col0 = p0 // BS
+    lim = tl.minimum(tl.maximum(rlim - col0, 0), INT32_MAX).to(tl.int32)
+    p = (tl.cast(p0 % BS, tl.int32) + q).to(tl.uint32)
+    col = p // BS
+    base = bt_ptr + rr * bt_s0 + col0 * bt_s1
+    blk = tl.load(base, mask=lim > 0, other=-1)
+    for k in tl.static_range(1, NE):
+        e = tl.load(base + k * bt_s1, mask=lim > k, other=-1)
+        blk = tl.where(col == k, e, blk)
+    return tl.where(ok, _slot_span(blk, (p % BS).to(tl.int32), SPAN), -1)     # past the width: blk = -1
+
+
 # --- compute_global_topk_indices_and_lens -------------------------------------------------------
 @triton.jit
 def _global_tile(v, c, K, bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, g_row, g_s1, BS: tl.constexpr):
@@ -204,6 +222,28 @@ def _request_pick(t, Rc, base, a0, a1, seqv, glv, SEARCH: tl.constexpr):
     qs = _pick(a0, ks, b).to(tl.int64) - base
     qe = _pick(a1, ks, b).to(tl.int64) - base
     return b.to(tl.int64), qs, qe, _pick(seqv, ks, b).to(tl.int64), _pick(glv, ks, b).to(tl.int64)
+
+
+@triton.jit
+def _request_guess_or_pick(t, Rc, base, a0, a1, seqv, glv, qsl_ptr, seq_ptr, gl_ptr, qsl_s, seq_s, gl_s,
+                           SEARCH: tl.constexpr):
+    """_request_pick, without the search where row t is request t's only token (a decode batch) and
+    query_start_loc is non-decreasing (then no later request covers t): request t's entries load as scalars
+    beside the vectors, and the check costs one comparison per vector entry."""
+    g_ok = t < Rc
+    b64 = base.to(tl.int64)
+    g_qs = tl.load(qsl_ptr + t * qsl_s, mask=g_ok, other=0).to(tl.int64) - b64
+    g_qe = tl.load(qsl_ptr + (t + 1) * qsl_s, mask=g_ok, other=0).to(tl.int64) - b64
+    g_seq = tl.load(seq_ptr + t * seq_s, mask=g_ok, other=0).to(tl.int64)
+    g_gl = tl.load(gl_ptr + t * gl_s, mask=g_ok, other=0).to(tl.int64)
+    fast = g_ok & (g_qs == t) & (g_qe == t + 1)
+    if fast:
+        fast = tl.min((a0 <= a1).to(tl.int32), axis=0) > 0      # entries past Rc are 0 <= 0
+    if fast:
+        b, qs, qe, seq, gl = t, g_qs, g_qe, g_seq, g_gl
+    else:
+        b, qs, qe, seq, gl = _request_pick(t, Rc, base, a0, a1, seqv, glv, SEARCH)
+    return b, qs, qe, seq, gl
 
 
 @triton.jit
@@ -323,7 +363,8 @@ def combine_kernel(
                 loc_next = tl.load(topk_ptr + (t + G) * topk_s0 + cols.to(tl.int64) * topk_s1, mask=cols < TOPK,
                                    other=-1)
         if ONE_ROUND:
-            b, qs, qe, seq, gl = _request_pick(t, Rc, base, a0, a1, seqv, glv, SEARCH)
+            b, qs, qe, seq, gl = _request_guess_or_pick(t, Rc, base, a0, a1, seqv, glv, qsl_ptr, seq_ptr, gl_ptr,
+                                                        qsl_s, seq_s, gl_s, SEARCH)
         else:
             b, qs, qe, seq, gl = _request_two_rounds(t, qsl_ptr, seq_ptr, gl_ptr, Rc, seg, qsl_s, seq_s, gl_s,
                                                      SEARCH)
@@ -384,6 +425,10 @@ def flashinfer_kernel(
     vw = tl.load(dswa_row + cw.to(tl.int64) * dswa_s1, mask=cw < n_wswa, other=-1)
     vp = tl.load(dcomp_row + cp.to(tl.int64) * dcomp_s1, mask=cp < n_kd, other=-1)
     loc = tl.load(ptopk_row + cp.to(tl.int64) * ptopk_s1, mask=cp < n_kp, other=-1)
+    if HAS_DVALID:
+        dvalid = tl.load(dvalid_ptr + td * dvalid_s, mask=is_dec, other=0)
+    if HAS_DLENS:
+        dlens = tl.load(dlens_ptr + td * dlens_s, mask=is_dec, other=0)
     if ONE_ROUND:                       # all of query_start_loc and seq_lens (R < SEARCH) for a prefill row
         ks = tl.arange(0, SEARCH)
         n_r = tl.where(is_dec, -1, R)
@@ -406,10 +451,10 @@ def flashinfer_kernel(
         if LOCAL:
             n = tl.sum(count, axis=0)
             if HAS_DVALID:
-                n = tl.where(tl.load(dvalid_ptr + t * dvalid_s) != 0, n, 0)
+                n = tl.where(dvalid != 0, n, 0)
         else:
             if HAS_DLENS:
-                n = tl.load(dlens_ptr + t * dlens_s).to(tl.int32)
+                n = dlens.to(tl.int32)
             else:
                 n = (r * 0 + Kd).to(tl.int32)
         n = tl.where(Kd > 0, n, 0)
@@ -441,7 +486,14 @@ def flashinfer_kernel(
             lj = tl.load(ptopk_row + j.to(tl.int64) * ptopk_s1, mask=j < kk, other=-1)
             _fi_prefill_comp(lj, j, kk, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
                              CBS, CSPAN)
-        for c0 in range(0, Wswa, BLOCK_W):
+        first = 0
+        if (SBS & (SBS - 1)) == 0 and (SSPAN & (SSPAN - 1)) == 0 and SBS <= SSPAN and BLOCK_W <= 4 * SBS \
+                and WINDOW <= BLOCK_W:      # the window's few table entries as scalar loads
+            s = _table_slots_few(sbt_ptr, sbt_rows, sbt_cols, sbt_s0, sbt_s1, r, s0, cw, cw < sw32, SBS, SSPAN,
+                                 BLOCK_W // SBS + 1)
+            tl.store(row + cw.to(tl.int64) * out_s1, s, mask=cw < Wswa)
+            first = BLOCK_W
+        for c0 in range(first, Wswa, BLOCK_W):
             c = c0 + cw
             s = _table_slots(sbt_ptr, sbt_rows, sbt_cols, sbt_s0, sbt_s1, r, s0, c, c < sw32, SBS, SSPAN)
             tl.store(row + c.to(tl.int64) * out_s1, s, mask=c < Wswa)
@@ -469,7 +521,7 @@ def _lookup_run(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, c0, n, BLOCK: tl.cons
 def c128a_kernel(
     pos_ptr, t2r_ptr, bt_ptr, slot_ptr, g_ptr, dlens_ptr, pf_ptr,
     Td, Wd, Wp, pos_s, t2r_s, bt_rows, bt_cols, bt_s0, bt_s1, slot_s, g_s0, g_s1, dlens_s, pf_s0, pf_s1,
-    RATIO: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    RATIO: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, GUESS: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     _pdl_start(PDL)
@@ -478,8 +530,16 @@ def c128a_kernel(
     if t < Td:
         r = tl.load(t2r_ptr + t * t2r_s).to(tl.int64)
         slot = tl.load(slot_ptr + t * slot_s)
+        first = 0
+        if GUESS:     # table row t's first tile, loaded beside r: decode token t is mostly request t's
+            g, j = _lookup_run(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, t, 0, Wd, BLOCK, BS)
         n = tl.minimum(tl.maximum(pos + 1, 0) // RATIO, Wd).to(tl.int32)
-        for c0 in range(0, Wd, BLOCK):
+        if GUESS:
+            if r != t:
+                g, j = _lookup_run(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, 0, n, BLOCK, BS)
+            tl.store(g_ptr + t * g_s0 + j.to(tl.int64) * g_s1, tl.where(j < n, g, -1), mask=j < Wd)
+            first = BLOCK
+        for c0 in range(first, Wd, BLOCK):
             if (BS & (BS - 1)) == 0 and BS <= BLOCK:      # whole table entries per tile row
                 g, j = _lookup_run(bt_ptr, bt_rows, bt_cols, bt_s0, bt_s1, r, c0, n, BLOCK, BS)
             else:
@@ -526,6 +586,10 @@ LAUNCHERS = {"global": GLOBAL_LAUNCHER, "combine": COMBINE_LAUNCHER, "flashinfer
 PER_THREAD = {"global": 4, "combine": 16, "flashinfer": 4, "c128a": 4, "fill": 4}
 ONE_WARP_ROWS = {"global": 2048}
 ROW_PROGRAMS_PER_SM = 32    # combine: programs per SM; more rows than that loop, one row's loads ahead
+# c128a: launches of at most this many rows read table row t's first tile before token_to_req[t] arrives
+# (one round of loads fewer when t is request t's token; a wasted tile read otherwise). Larger launches are
+# bandwidth-bound and read only the entries they need.
+GUESS_ROWS = 1024
 
 
 def _warps(target: platform.Target, block: int, kernel: str, rows: int) -> int:
@@ -594,7 +658,8 @@ def flashinfer_runtime_args(Td, Wswa, Kd, Kp, P, R, dswa, dcomp_strides, dlens_s
 
 def c128a_constexprs(compress_ratio: int, block_size: int, width: int, rows: int, target: platform.Target) -> dict:
     block = block_for(width)
-    return dict(RATIO=compress_ratio, BS=block_size, BLOCK=block, PDL=platform.supports_pdl(target),
+    guess = (block_size & (block_size - 1)) == 0 and block_size <= block and rows <= GUESS_ROWS
+    return dict(RATIO=compress_ratio, BS=block_size, BLOCK=block, GUESS=guess, PDL=platform.supports_pdl(target),
                 num_warps=_warps(target, block, "c128a", rows))
 
 
@@ -655,21 +720,22 @@ def matrix_cases(target: platform.Target) -> list:
             name = f"flashinfer.topk{topk}.w{window}.r{ratio}.{'local' if local else 'global'}" \
                    f"{'.dlens' if has_dlens else ''}{'.span' if span else ''}.R{R}.rows{rows}.{tag}"
             cases.append(_case(target, name, flashinfer_kernel, tensors, ints, meta))
-        meta = c128a_constexprs(128, 2, 8192, 64, target)
-        cases.append(_case(target, f"c128a.r128.bs2.{tag}", c128a_kernel,
-                           (Ptr(i64), Ptr(i32), Ptr(bt_dtype), Ptr(i64), Ptr(i32), Ptr(i32), Ptr(i32)),
-                           (3, 8192, 8192, 1, 1, 3, 4096, 4096, 1, 1, 8192, 1, 1, 8192, 1), meta))
-    combine_configs = [(topk, window, ratio, wu, Rc, i32) for topk, window, ratio in
+        for rows in (64, 4096):         # with and without the token/request guess (GUESS_ROWS)
+            meta = c128a_constexprs(128, 2, 8192, rows, target)
+            cases.append(_case(target, f"c128a.r128.bs2.rows{rows}.{tag}", c128a_kernel,
+                               (Ptr(i64), Ptr(i32), Ptr(bt_dtype), Ptr(i64), Ptr(i32), Ptr(i32), Ptr(i32)),
+                               (3, 8192, 8192, 1, 1, 3, 4096, 4096, 1, 1, 8192, 1, 1, 8192, 1), meta))
+    combine_configs = [(topk, window, ratio, wu, Rc, i32, 4096) for topk, window, ratio in
                        ((512, 128, 4), (1024, 128, 4), (0, 128, 1), (8192, 128, 128), (512, 100, 4))
                        for wu in (True, False) for Rc in (5, SEARCH + 44)]
-    combine_configs.append((512, 128, 4, True, 200, i64))     # int64 qsl / seq_lens / gather_lens
-    for topk, window, ratio, write_uncovered, Rc, req_dtype in combine_configs:
-        meta = combine_constexprs(window, ratio, topk, write_uncovered, Rc, 4096, target)
+    combine_configs.append((512, 128, 4, True, 200, i64, 4096))     # int64 qsl / seq_lens / gather_lens
+    for topk, window, ratio, write_uncovered, Rc, req_dtype, rows in combine_configs:
+        meta = combine_constexprs(window, ratio, topk, write_uncovered, Rc, rows, target)
         C = layout.combine_width(topk, window)
         name = f"combine.topk{topk}.w{window}.r{ratio}.{'fresh' if write_uncovered else 'out'}.Rc{Rc}" \
                f"{'.req64' if req_dtype == i64 else ''}"
         tensors = (Ptr(i32), Ptr(req_dtype), Ptr(req_dtype), Ptr(req_dtype), Ptr(i32), Ptr(i32))
-        ints = (4096, Rc, layout.cdiv(Rc, request_search(Rc)[0]), 1000, 500, C, max(topk, 1), 1, 1, 1, 1, C, 1, 1)
+        ints = (rows, Rc, layout.cdiv(Rc, request_search(Rc)[0]), 1000, 500, C, max(topk, 1), 1, 1, 1, 1, C, 1, 1)
         cases.append(_case(target, name, combine_kernel, tensors, ints, meta))
     for pos_dtype in (i32, i64):
         for topk, ratio in ((512, 4), (1024, 4), (8192, 128)):
