@@ -2,8 +2,11 @@
 
 Every kernel runs one program per output row (combine: up to ROW_PROGRAMS_PER_SM per SM, looping over
 rows beyond that) and sweeps the row's columns in tiles of BLOCK contiguous int32 elements (vectorised
-loads and stores). Block-table lookups follow SPEC §0 `lookup` (negative entries, columns past the
-width, out-of-range request ids and negative positions give -1); an int32 output is -1 where the int64
+loads and stores). Decode rows are latency-bound, so two kernels try a guess first. c128a launches of at
+most GUESS_ROWS rows load table row t's first tile beside token_to_req[t] and reload only when the guess
+was wrong. combine skips the request search for a row t that is request t's only token over a
+non-decreasing query_start_loc. Block-table lookups follow SPEC §0 `lookup` (negative entries, columns past
+the width, out-of-range request ids and negative positions give -1); an int32 output is -1 where the int64
 value is negative or past INT32_MAX. Power-of-two block sizes and spans (span >= block size) compute
 slots in int32 with the int32 limit as a bound on the block id (`_slot_span`); other sizes use the
 int64 formula. Token/request counts, strides, table shapes, M, N, widths and num_decode_tokens are
