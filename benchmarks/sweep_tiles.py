@@ -1,6 +1,6 @@
 """Tile and warp sweep of the k_cache and sparse_index kernels on a GPU, one command:
 
-    python -m benchmarks.sweep_tiles --out DIR [--only k_cache|sparse_index]
+    python -m benchmarks.sweep_tiles --out DIR [--only k_cache|sparse_index] [--focus]
 
 For each variant (module-level tile settings of `kernels/k_cache.py` or `kernels/sparse_index.py`,
 set for the variant and restored after), the plan caches are emptied and the family's benchmark cases
@@ -52,16 +52,30 @@ def _sparse_plan():
     return ks, (osi._PLANS,), plans
 
 
+def _k_cache_focus():
+    """The insert's tokens and warps around the default, and the window gather's narrow step."""
+    insert = [bk._case(bk.Spec("insert", T=65536), series=False),
+              bk._case(bk.Spec("insert", T=65536, sequential=True), series=False)]
+    window = [bk._case(bk.Spec("gather", R=16, L=128, window=True), series=False)]
+    plans = [({"INSERT_TOKENS": t, "INSERT_SMALL": 0, "INSERT_MAX_WARPS": w}, insert)
+             for t, w in ((2, 2), (2, 1), (4, 1), (4, 2), (1, 1))]
+    plans += [({"BLOCK_T_NARROW": b, "GATHER_MAX_WARPS": w}, window) for b, w in ((2, 4), (1, 1), (1, 2), (2, 2))]
+    return kk, (ok._INSERT_PLANS, ok._GATHER_PLANS), plans
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--only", choices=("k_cache", "sparse_index"))
+    p.add_argument("--focus", action="store_true", help="the few variants around the current defaults")
     args = p.parse_args()
     device = torch.device("cuda")
     ceiling = harness.copy_ceiling(device)
     print("copy ceiling", ceiling, flush=True)
     rows = []
     families = {"k_cache": _k_cache_plan, "sparse_index": _sparse_plan}
+    if args.focus:
+        families = {"k_cache": _k_cache_focus}
     for fam, make in families.items():
         if args.only and args.only != fam:
             continue
@@ -77,8 +91,11 @@ def main() -> None:
                     rec = harness.run_case(case, device, ceiling["gbps"])
                     rec["settings"] = settings
                     rows.append(rec)
+                    extra = "".join(f" {k.split('_')[0]} {rec[k].get('pct_of_copy')} %" for k in
+                                    ("graph_crosscheck", "do_bench_crosscheck") if k in rec)
                     print(f"{fam:12s} {json.dumps(settings):70s} {case.name:28s} {rec.get('us', 'ERR')!s:>9} us "
-                          f"{rec.get('pct_of_copy', '')!s:>7} % {rec.get('check', rec.get('error', ''))}", flush=True)
+                          f"{rec.get('pct_of_copy', '')!s:>7} %{extra} {rec.get('check', rec.get('error', ''))}",
+                          flush=True)
             finally:
                 for k, v in saved.items():
                     setattr(module, k, v)

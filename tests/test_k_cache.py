@@ -249,6 +249,28 @@ def test_insert_exact(device, bs, padded, form, use_fnuz):
     assert nonzero_share(pages) > 0.5
 
 
+@pytest.mark.parametrize("use_fnuz", [False, True], ids=["ocp", "fnuz"])
+def test_insert_several_tokens_per_program(device, monkeypatch, use_fnuz):
+    """The large-call tile (INSERT_TOKENS tokens per program) on a small call: a token count that is not a
+    multiple of it (a part-filled last program), hostile slots among the tokens, bit-exact."""
+    from torch_dsv4_ops.ops import k_cache as ops_k_cache
+
+    monkeypatch.setattr(kernels, "INSERT_SMALL", 0)
+    ops_k_cache._INSERT_PLANS.clear()
+    try:
+        k, slots, base, nb, stride = _insert_case(16, True, "2d", use_fnuz, 5 + use_fnuz)
+        assert slots.shape[0] % kernels.INSERT_TOKENS != 0 and kernels.insert_tokens(slots.shape[0]) > 1
+        dev_base = base.clone().to(device)
+        d.quantize_and_insert_k_cache(k.to(device), make_cache(dev_base, nb, 16, stride, "2d"), slots.to(device),
+                                      16, True, use_fnuz)
+        ref_base = base.clone()
+        reference.quantize_and_insert_k_cache(k, make_cache(ref_base, nb, 16, stride, "2d"), slots, 16, True,
+                                              use_fnuz)
+        assert_bitwise_equal(dev_base.cpu(), ref_base, "whole allocation, kernel vs reference")
+    finally:
+        ops_k_cache._INSERT_PLANS.clear()
+
+
 def test_insert_nan_inf_documented_result(device):
     """NaN is left out of amax and stored as the positive NaN code; inf counts as the largest fp32 (byte
     247 OCP / 248 FNUZ) and saturates to +-FP8_MAX; max bf16 gives byte 247 too (docs/ops/k_cache.md)."""

@@ -32,7 +32,7 @@ else:
 
 BLOCK_Q = triton.next_power_of_2(layout.NUM_QUANT_BLOCKS)   # 8 rows of the NoPE tile (7 used)
 # Tile settings measured on an H100 (benchmarks/sweep_tiles.py, benchmarks/NOTES.md):
-INSERT_TOKENS = 2            # insert: tokens per program from INSERT_SMALL tokens on (1 below: latency)
+INSERT_TOKENS = 4            # insert: tokens per program from INSERT_SMALL tokens on (1 below: latency)
 INSERT_SMALL = 1024
 INSERT_MAX_WARPS = 2
 BLOCK_T = 8                  # gather: tokens per loop step of one program for wide outputs
