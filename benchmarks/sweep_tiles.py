@@ -32,7 +32,7 @@ def _k_cache_plan():
               bk._case(bk.Spec("gather", R=16, L=128, window=True), series=False)]
     plans = []
     for tokens, warps in ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (8, 4), (8, 8)):
-        plans.append(({"INSERT_TOKENS": tokens, "INSERT_SMALL": 0, "INSERT_MAX_WARPS": warps}, insert))
+        plans.append(({"INSERT_TILES": ((0, tokens),), "INSERT_MAX_WARPS": warps}, insert))
     for block_t, warps in ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (8, 2), (8, 4), (8, 8), (16, 4)):
         plans.append(({"BLOCK_T": block_t, "BLOCK_T_NARROW": block_t, "GATHER_MAX_WARPS": warps}, gather))
     return kk, (ok._INSERT_PLANS, ok._GATHER_PLANS), plans
@@ -57,7 +57,7 @@ def _k_cache_focus():
     insert = [bk._case(bk.Spec("insert", T=65536), series=False),
               bk._case(bk.Spec("insert", T=65536, sequential=True), series=False)]
     window = [bk._case(bk.Spec("gather", R=16, L=128, window=True), series=False)]
-    plans = [({"INSERT_TOKENS": t, "INSERT_SMALL": 0, "INSERT_MAX_WARPS": w}, insert)
+    plans = [({"INSERT_TILES": ((0, t),), "INSERT_MAX_WARPS": w}, insert)
              for t, w in ((2, 2), (2, 1), (4, 1), (4, 2), (1, 1))]
     plans += [({"BLOCK_T_NARROW": b, "GATHER_MAX_WARPS": w}, window) for b, w in ((2, 4), (1, 1), (1, 2), (2, 2))]
     return kk, (ok._INSERT_PLANS, ok._GATHER_PLANS), plans

@@ -250,16 +250,19 @@ def test_insert_exact(device, bs, padded, form, use_fnuz):
 
 
 @pytest.mark.parametrize("use_fnuz", [False, True], ids=["ocp", "fnuz"])
-def test_insert_several_tokens_per_program(device, monkeypatch, use_fnuz):
-    """The large-call tile (INSERT_TOKENS tokens per program) on a small call: a token count that is not a
-    multiple of it (a part-filled last program), hostile slots among the tokens, bit-exact."""
+@pytest.mark.parametrize("tile", [t for _, t in kernels.INSERT_TILES])
+def test_insert_several_tokens_per_program(device, monkeypatch, tile, use_fnuz):
+    """A large-call tile (several tokens per program, INSERT_TILES) on a small call: a token count that is not
+    a multiple of it (a part-filled last program), hostile slots among the tokens, bit-exact."""
     from torch_dsv4_ops.ops import k_cache as ops_k_cache
 
-    monkeypatch.setattr(kernels, "INSERT_SMALL", 0)
+    monkeypatch.setattr(kernels, "INSERT_TILES", ((0, tile),))
     ops_k_cache._INSERT_PLANS.clear()
     try:
         k, slots, base, nb, stride = _insert_case(16, True, "2d", use_fnuz, 5 + use_fnuz)
-        assert slots.shape[0] % kernels.INSERT_TOKENS != 0 and kernels.insert_tokens(slots.shape[0]) > 1
+        if slots.shape[0] % tile == 0:
+            slots = slots[:-1]
+        assert kernels.insert_tokens(slots.shape[0]) == tile and (slots < 0).any()
         dev_base = base.clone().to(device)
         d.quantize_and_insert_k_cache(k.to(device), make_cache(dev_base, nb, 16, stride, "2d"), slots.to(device),
                                       16, True, use_fnuz)

@@ -32,8 +32,8 @@ else:
 
 BLOCK_Q = triton.next_power_of_2(layout.NUM_QUANT_BLOCKS)   # 8 rows of the NoPE tile (7 used)
 # Tile settings measured on an H100 (benchmarks/sweep_tiles.py, benchmarks/NOTES.md):
-INSERT_TOKENS = 4            # insert: tokens per program from INSERT_SMALL tokens on (1 below: latency)
-INSERT_SMALL = 1024
+# insert: (from this many tokens on, tokens per program), largest first; one token per program below (latency)
+INSERT_TILES = ((8192, 4), (1024, 2))
 INSERT_MAX_WARPS = 2
 BLOCK_T = 8                  # gather: tokens per loop step of one program for wide outputs
 BLOCK_T_NARROW = 2           # ... and for outputs of at most NARROW_WIDTH rows (decode windows)
@@ -165,7 +165,7 @@ def _layout_constexprs(block_size: int) -> dict:
 
 def insert_tokens(n_tokens: int) -> int:
     """Tokens per program of `quantize_insert_kernel` for a call of `n_tokens` tokens."""
-    return INSERT_TOKENS if n_tokens >= INSERT_SMALL else 1
+    return next((tokens for start, tokens in INSERT_TILES if n_tokens >= start), 1)
 
 
 def insert_constexprs(block_size: int, use_fnuz: bool, target: platform.Target, tokens: int = 1) -> dict:
@@ -298,8 +298,10 @@ def matrix_launch_insert(target: platform.Target, block_size: int, use_fnuz: boo
     meta = launch_options(insert_constexprs(block_size, use_fnuz, target, insert_tokens(tokens)))
     tensors = (Ptr(torch.bfloat16), Ptr(torch.uint8), Ptr(slot_dtype))
     ints = insert_runtime_args(tokens, layout.HEAD_DIM, 1, 2 * block_size, stride)
+    per_program = insert_tokens(tokens)
     name = f"k_cache_insert.bs{block_size}.{'fnuz' if use_fnuz else 'ocp'}" \
-        + ("" if slot_dtype == torch.int64 else ".slot32") + ("" if padded else ".unpadded")
+        + ("" if slot_dtype == torch.int64 else ".slot32") + ("" if padded else ".unpadded") \
+        + ("" if per_program == 1 else f".t{per_program}")
     return name, tensors, ints, meta
 
 
@@ -338,6 +340,9 @@ def matrix_cases(target: platform.Target) -> list:
                                       matrix_launch_insert(target, bs, fnuz, slot_dtype=torch.int32)))
             cases.append(_matrix_case(target, quantize_insert_kernel,
                                       matrix_launch_insert(target, bs, fnuz, padded=False)))
+            for start, _ in INSERT_TILES:       # the several-tokens tiles of large calls
+                cases.append(_matrix_case(target, quantize_insert_kernel,
+                                          matrix_launch_insert(target, bs, fnuz, tokens=start)))
             for has_gather in (False, True):
                 for table in (torch.int32, torch.int64):
                     for width in (128, 8192):
