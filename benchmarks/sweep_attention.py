@@ -1,9 +1,10 @@
 """Tile sweep of the attention kernels on a GPU: `python -m benchmarks.sweep_attention [--decode-only |
---prefill-only]`.
+--prefill-only] [--prefetch]`.
 
 Times the benchmark's decode and mixed-step cases (benchmarks/bench_attention.py) under each tile
 setting of `kernels/attention.py` (patched in place of `decode_tiles` / `prefill_tiles`) and prints
 one line per (setting, case): median µs by do_bench and GB/s. The committed defaults come from it.
+--prefetch sweeps the decode kernel's register-prefetch loop (PREFETCH) instead of its tiles.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from . import harness
 # (BLOCK_N, warps, stages, programs per SM the split count aims at) of the decode kernel
 DECODE_CONFIGS = ((128, 4, 2, 2), (128, 4, 3, 2), (64, 2, 2, 4), (64, 2, 3, 4), (64, 4, 2, 4), (32, 1, 2, 4),
                   (32, 1, 3, 8), (32, 1, 4, 8), (32, 2, 2, 8), (32, 2, 3, 8))
+# --prefetch: the register-prefetch loop (one stage), against the defaults (None)
+PREFETCH_CONFIGS = (None, (32, 2, 1, 8), (32, 2, 1, 4), (32, 2, 1, 16), (32, 2, 1, 8, 128), (64, 4, 1, 4),
+                    (32, 2, 1, 8))   # (..., MAX_SPLITS) where given
 
 
 def _time(args) -> float:
@@ -46,27 +50,40 @@ def main() -> int:
                for s in decode_specs + [mixed, prefill_only]}
     original_prefill = kernels.prefill_tiles
 
-    all_decode = [bench.Spec(r, c, fp8) for fp8 in (False, True) for r, c in bench.DECODE]
+    all_decode = [bench.Spec(r, c, fp8) for fp8 in (False, True) for r, c in bench.DECODE
+                  if not (fp8 and "--bf16-only" in sys.argv)]
     for s in all_decode:
         if s.name not in batches:
             batches[s.name] = (s, example_batch(s.query_lens(), s.seq_lens(), hq=bench.HQ, hkv=bench.HKV,
                                                 dim=bench.D, bs=bench.BS, fp8=s.fp8, seed=1, device=device))
     original_decode = kernels.decode_tiles
-    for block_n, warps, stages, per_sm in () if "--prefill-only" in sys.argv else DECODE_CONFIGS:
-        def tiles(geo, q_dtype, kv_fp8, target, block_n=block_n, warps=warps, stages=stages, per_sm=per_sm):
-            return dict(original_decode(geo, q_dtype, kv_fp8, target), BLOCK_N=block_n, num_warps=warps,
-                        num_stages=stages, per_sm=per_sm)
-        kernels.decode_tiles = tiles
+    max_splits = kernels.MAX_SPLITS
+    prefetch = "--prefetch" in sys.argv
+    configs = PREFETCH_CONFIGS if prefetch else DECODE_CONFIGS
+    for config in () if "--prefill-only" in sys.argv else configs:
+        if config is None:
+            block_n = warps = stages = per_sm = "default"
+            kernels.decode_tiles = original_decode
+        else:
+            block_n, warps, stages, per_sm = config[:4]
+            kernels.MAX_SPLITS = config[4] if len(config) > 4 else max_splits
+
+            def tiles(geo, q_dtype, kv_fp8, target, block_n=block_n, warps=warps, stages=stages, per_sm=per_sm):
+                return dict(original_decode(geo, q_dtype, kv_fp8, target), BLOCK_N=block_n, num_warps=warps,
+                            num_stages=stages, per_sm=per_sm, prefetch=prefetch)
+            kernels.decode_tiles = tiles
         _reset()
         for s in all_decode:
             try:
                 us = _time(batches[s.name][1])
-                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} per_sm={per_sm} | {s.name}: "
-                      f"{us:.1f} us {s.bytes_per_call() / us / 1e3:.0f} GB/s", flush=True)
+                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} per_sm={per_sm} "
+                      f"max_splits={kernels.MAX_SPLITS} | {s.name}: {us:.1f} us "
+                      f"{s.bytes_per_call() / us / 1e3:.0f} GB/s", flush=True)
             except Exception as e:   # e.g. out of shared memory
                 print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} per_sm={per_sm} | {s.name}: "
                       f"ERROR {e!s:.100}", flush=True)
     kernels.decode_tiles = original_decode
+    kernels.MAX_SPLITS = max_splits
     _reset()
     if "--decode-only" in sys.argv:
         return 0

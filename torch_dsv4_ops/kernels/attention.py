@@ -156,6 +156,35 @@ def _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
     """K^T [BLOCK_D, N] and V [N, BLOCK_D] of keys kp (in blocks blk) from head-major caches; keys
     not in key_ok are zeros. V_RUN > 0: the tile's keys are runs of V_RUN consecutive
     offsets of one block each, starting at multiples of V_RUN elements (vector loads of V)."""
+    k_raw, v = _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, True, kc_s0, kc_s1, kc_s2, kc_s3,
+                            vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, K_GROUPS)
+    return _cache_values(k_raw, v, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, K_GROUPS)
+
+
+@triton.jit
+def _cache_values(k_raw, v, key_ok, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  K_STD: tl.constexpr, K_GROUPS: tl.constexpr):
+    """K^T [BLOCK_D, N] and V [N, BLOCK_D] in the dot dtype from `_cache_loads`' raw tiles (V rows of keys
+    not in key_ok zeroed)."""
+    if K_STD and K_GROUPS:
+        BLOCK_N: tl.constexpr = k_raw.shape[1]
+        kt = tl.reshape(tl.permute(k_raw, (0, 2, 1)), (k_raw.shape[0] * k_raw.shape[2], BLOCK_N))
+    else:
+        kt = k_raw
+    if tl.min(key_ok.to(tl.int32), 0) == 0:   # a tile with an invalid key (the last one, as a rule)
+        v = tl.where(key_ok[:, None], v, 0)
+    kt = _codes(kt, KV_FP8, KV_SW, DOT_DTYPE)
+    v = _codes(v, KV_FP8, KV_SW, DOT_DTYPE)
+    return kt, v
+
+
+@triton.jit
+def _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, tile_live,
+                 kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2,
+                 D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
+                 K_GROUPS: tl.constexpr):
+    """The loads of `_cache_tile`, as loaded: K as [d group, key, x] (K_STD and K_GROUPS) or [BLOCK_D, N], V as
+    [N, BLOCK_D]. Nothing is read where tile_live (a scalar) is false."""
     off = (kp % BS).to(tl.int32)
     d_ok = d < D
     if K_STD and K_GROUPS:
@@ -166,9 +195,8 @@ def _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
         BLOCK_N: tl.constexpr = kp.shape[0]
         dg = tl.arange(0, BLOCK_D // X)
         dx = tl.arange(0, X)
-        k3 = tl.load(kc_ptr + (blk * kc_s0 + kvh * kc_s1 + off * X)[None, :, None] + (dg * kc_s2)[:, None, None]
+        kt = tl.load(kc_ptr + (blk * kc_s0 + kvh * kc_s1 + off * X)[None, :, None] + (dg * kc_s2)[:, None, None]
                      + dx[None, None, :], mask=(dg < D // X)[:, None, None] & key_ok[None, :, None], other=0)
-        kt = tl.reshape(tl.permute(k3, (0, 2, 1)), (BLOCK_D, BLOCK_N))
     else:
         if K_STD:   # x-element runs the compiler can vectorise
             k_in = (d // X)[:, None] * kc_s2 + (off * X)[None, :] + (d % X)[:, None]
@@ -180,14 +208,10 @@ def _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
     # no per-key mask (a mask that varies along a run prevents vector loads): every key's address is
     # inside a page (an invalid key's block is 0, which exists when num_blocks > 0), and invalid keys
     # are zeroed after the load, so NaN in pages outside the context never reaches the output
-    v_d_ok = d < tl.where(num_blocks > 0, D, 0)
+    v_d_ok = d < tl.where((num_blocks > 0) & tile_live, D, 0)
     if V_RUN > 0:   # the block id comes from a load, so the compiler cannot see these runs itself
         v_row = tl.max_contiguous(tl.multiple_of(v_row, V_RUN), V_RUN)
     v = tl.load(vc_ptr + v_row[:, None] + d[None, :] * vc_s2, mask=v_d_ok[None, :], other=0)
-    if tl.min(key_ok.to(tl.int32), 0) == 0:   # a tile with an invalid key (the last one, as a rule)
-        v = tl.where(key_ok[:, None], v, 0)
-    kt = _codes(kt, KV_FP8, KV_SW, DOT_DTYPE)
-    v = _codes(v, KV_FP8, KV_SW, DOT_DTYPE)
     return kt, v
 
 
@@ -378,10 +402,12 @@ def decode_kernel(
     V_RUN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     SW: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, TABLE_PTR: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr,
-    O_SW: tl.constexpr,
+    O_SW: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Program (r, kvh, s): split s of the visible keys of decode request r (query length 1), for the
-    GROUP query heads of kv head kvh (rows padded to BLOCK_H)."""
+    GROUP query heads of kv head kvh (rows padded to BLOCK_H). PREFETCH: the next tile's K/V are loaded into
+    registers before the current tile is used, its block ids one tile earlier still (with one pipeline
+    stage: Triton's own pipelining waits for a tile's copies before the next tile's are issued)."""
     # fp8 caches: fp16 dots (codes convert to fp16 in one instruction per pair; bf16 q is rescaled, below)
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.float16 if KV_FP8 != 0 else q_ptr.dtype.element_ty
     r = tl.program_id(0).to(tl.int64)
@@ -433,12 +459,39 @@ def decode_kernel(
     t_hi = tl.minimum(t_lo + per_split, first + tiles)
     s_hi = tl.minimum(t_hi * BLOCK_N, hi)
     n = tl.arange(0, BLOCK_N)
-    for it in range(t_lo, t_hi):
-        kp = it * BLOCK_N + n
-        m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < s_hi, scale, slope, 1.0,
-                                    table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr, vc_ptr,
-                                    kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                                    TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, False, SW, ALIBI, False, True)
+    if PREFETCH:
+        kp = t_lo * BLOCK_N + n
+        blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
+                                 TABLE_PTR)
+        k_raw, v_raw = _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, t_lo < t_hi, kc_s0, kc_s1,
+                                    kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, True)
+        kp = kp + BLOCK_N
+        blk1, ok1 = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
+                               TABLE_PTR)
+        for it in range(t_lo, t_hi):
+            kp = it * BLOCK_N + n
+            kp2 = kp + 2 * BLOCK_N
+            blk2, ok2 = _block_ids(table_ptr, t_row, kp2 // BS, kp2 < s_hi, t_s1, W, num_blocks, cache_base,
+                                   page_bytes, TABLE_PTR)
+            k_raw1, v_raw1 = _cache_loads(kc_ptr, vc_ptr, kp + BLOCK_N, ok1, blk1, kvh, d, num_blocks, it + 1 < t_hi,
+                                          kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
+                                          True)
+            kt, v = _cache_values(k_raw, v_raw, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, True)
+            s = _scores(q, kt, DOT_F32) * scale
+            if ALIBI:
+                s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
+            vis = _visible(qp, kp, key_ok, row_ok, False, SW)
+            m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, 1.0, DOT_F32, False)
+            k_raw, v_raw, key_ok = k_raw1, v_raw1, ok1
+            blk1, ok1 = blk2, ok2
+    else:
+        for it in range(t_lo, t_hi):
+            kp = it * BLOCK_N + n
+            m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < s_hi, scale, slope, 1.0,
+                                        table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr,
+                                        vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X,
+                                        K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, False, SW, ALIBI,
+                                        False, True)
     if KV_FP8 != 0:   # every V of this sum has the one scale
         acc = acc * tl.load(v_scale_ptr)
 
@@ -560,19 +613,26 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
     """BLOCK_H rows (the group's query heads, padded to a dot's minimum of 16) and BLOCK_N keys per step.
 
     benchmarks/sweep_attention.py --decode-only (H100, 2026-11-25): small programs, several per SM, hide one
-    another's load latency (a program's next tile is loaded after its current one is used): 64-key tiles on
-    2 warps for float caches, 32-key tiles on one warp for fp8 caches. `per_sm`: the programs per SM the
-    split count aims at (decode_splits)."""
+    another's load latency: 32-key tiles on one warp for fp8 caches (Triton's two-stage pipeline, whose next
+    tile is loaded after the current one is used). Float caches with groups of at most PREFETCH_MAX_ROWS heads
+    take the register-prefetch loop (`--prefetch`, 2026-11-26): 32-key tiles on 2 warps, bf16 64 x 4096
+    434 -> 411-414 us (fp8 caches lose with it). `per_sm`: the programs per SM the split count aims at
+    (decode_splits)."""
     block_h = max(16, triton.next_power_of_2(geo.group))
-    if target.backend == "interpreter":
-        return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1, per_sm=PROGRAMS_PER_SM)
+    prefetch = not kv_fp8 and block_h <= PREFETCH_MAX_ROWS
+    if target.backend == "interpreter":      # both loops, as on a GPU: float caches take PREFETCH
+        return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1, per_sm=PROGRAMS_PER_SM,
+                    prefetch=prefetch)
     if geo.block_d > 128 or q_dtype == torch.float32:
         return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=4, num_stages=2, per_sm=PROGRAMS_PER_SM // 2)
     if kv_fp8:
         return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=1, num_stages=2, per_sm=PROGRAMS_PER_SM)
+    if prefetch:
+        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=2, num_stages=1, per_sm=PROGRAMS_PER_SM, prefetch=True)
     return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=2, num_stages=2, per_sm=PROGRAMS_PER_SM)
 
 
+PREFETCH_MAX_ROWS = 16         # decode: the register-prefetch loop for groups of at most this many query heads
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4            # decode programs per SM the split count aims at (more: no faster, H100)
@@ -621,7 +681,7 @@ def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles:
                 BLOCK_N=tiles["BLOCK_N"],
                 SPLIT=splits > 1, SW=feats.sliding_window,
                 ALIBI=feats.alibi, SINKS=feats.sinks, TABLE_PTR=feats.table_ptr, **numeric_constexprs(numerics),
-                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+                PREFETCH=tiles.get("prefetch", False), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
 
 def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics) -> dict:
