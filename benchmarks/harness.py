@@ -510,10 +510,11 @@ def format_case(c: dict) -> str:
         return f"{c['name']:<34} ERROR {c['error'][:160]}"
     row = (f"{c['name']:<34} {c['method']:<8} {_fmt(c.get('us'), '10.2f')} {_fmt(c.get('gbps'), '9.1f')} "
            f"{_fmt(c.get('pct_of_copy'), '6.1f')}  {str(c.get('check', '-'))[:40]}")
-    g = c.get("graph_crosscheck")
-    if g:
-        row += f"  [graph: {_fmt(g.get('us'), '.2f')} us {_fmt(g.get('pct_of_copy'), '.1f')}%]" if "us" in g \
-            else f"  [graph: {str(g.get('error'))[:60]}]"
+    for method in ("graph", "do_bench"):
+        g = c.get(f"{method}_crosscheck")
+        if g:
+            row += f"  [{method}: {_fmt(g.get('us'), '.2f')} us {_fmt(g.get('pct_of_copy'), '.1f')}%]" if "us" in g \
+                else f"  [{method}: {str(g.get('error'))[:60]}]"
     return row
 
 
