@@ -110,7 +110,7 @@ def chunk_pairs(offset_bytes: int, same_chunk: bool, device, chunk_bytes: int = 
                                  num_warps=8)
 
     us = _time(run, 1, READ_BYTES)
-    return {"pattern": f"read 2 x {chunk_bytes} B chunks {offset_bytes / harness.MiB:g} MiB apart, "
+    return {"pattern": f"read 2 x {chunk_bytes} B chunks {offset_bytes} B apart, "
                        f"{'same' if same_chunk else 'unrelated'} chunk ids",
             "us": harness.sig(us), "gbps": harness.sig(READ_BYTES / us / 1e3)}
 
@@ -175,27 +175,23 @@ def main() -> None:
     copy = harness.copy_ceiling(device)
     read = harness.read_matmul_ceilings(device)["read_ceiling"]
     rows = []
+
+    def add(row: dict, ceiling: dict, key: str) -> None:
+        row[key] = harness.sig(100 * row["gbps"] / ceiling["gbps"])
+        rows.append(row)
+        harness.free_memory(device)
+
     for chunk in (512, 1024, 2048, 4096, 8192):
         for random in (False, True):
-            r = chunk_reads(chunk, random, device)
-            r["pct_of_read"] = harness.sig(100 * r["gbps"] / read["gbps"])
-            rows.append(r)
-            harness.free_memory(device)
+            add(chunk_reads(chunk, random, device), read, "pct_of_read")
     for offset_mib, same in ((1024, False), (1024, True), (1026, True), (1024 + 1 / 256, True),
                              (1024 + 17 / 256, True)):
-        r = chunk_pairs(int(offset_mib * harness.MiB), same, device)
-        r["pct_of_read"] = harness.sig(100 * r["gbps"] / read["gbps"])
-        rows.append(r)
-        harness.free_memory(device)
+        add(chunk_pairs(int(offset_mib * harness.MiB), same, device), read, "pct_of_read")
     for chunk in (128, 256, 512, 1024, 2048):
         for random in (False, True):
-            r = chunk_scatter(chunk, random, device)
-            r["pct_of_copy"] = harness.sig(100 * r["gbps"] / copy["gbps"])
-            rows.append(r)
-            harness.free_memory(device)
+            add(chunk_scatter(chunk, random, device), copy, "pct_of_copy")
     for r in decode_cache_placement(device):
-        r["pct_of_read"] = harness.sig(100 * r["gbps"] / read["gbps"])
-        rows.append(r)
+        add(r, read, "pct_of_read")
     print(f"read ceiling {read['gbps']} GB/s, copy ceiling {copy['gbps']} GB/s ({torch.cuda.get_device_name()})")
     for r in rows:
         pct = f"{r['pct_of_read']} % of read" if "pct_of_read" in r else f"{r['pct_of_copy']} % of copy"

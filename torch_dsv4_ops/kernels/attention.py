@@ -685,7 +685,7 @@ def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles:
 
 
 def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics) -> dict:
-    # [BLOCK_S, BLOCK_D] fp32 partials: 32 per thread (1 or 2 warps spilled at 64 x 128: 255 registers)
+    # a warp per 1024 of the [BLOCK_S, BLOCK_D] fp32 partials (a single warp spilled at 64 x 128)
     return dict(D=geo.d, BLOCK_D=geo.block_d, BLOCK_S=MAX_SPLITS,
                 SINKS=feats.sinks, O_KIND=numerics.o_kind, O_FP8=numerics.o_fp8, O_SW=numerics.o_sw,
                 num_warps=max(1, min(8, MAX_SPLITS * geo.block_d // 1024)))

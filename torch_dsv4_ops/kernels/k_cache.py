@@ -295,10 +295,10 @@ def matrix_launch_insert(target: platform.Target, block_size: int, use_fnuz: boo
     from .matrix import Ptr
 
     stride = layout.ds_mla_block_stride(block_size) if padded else layout.ds_mla_block_bytes(block_size)
-    meta = launch_options(insert_constexprs(block_size, use_fnuz, target, insert_tokens(tokens)))
+    per_program = insert_tokens(tokens)
+    meta = launch_options(insert_constexprs(block_size, use_fnuz, target, per_program))
     tensors = (Ptr(torch.bfloat16), Ptr(torch.uint8), Ptr(slot_dtype))
     ints = insert_runtime_args(tokens, layout.HEAD_DIM, 1, 2 * block_size, stride)
-    per_program = insert_tokens(tokens)
     name = f"k_cache_insert.bs{block_size}.{'fnuz' if use_fnuz else 'ocp'}" \
         + ("" if slot_dtype == torch.int64 else ".slot32") + ("" if padded else ".unpadded") \
         + ("" if per_program == 1 else f".t{per_program}")
