@@ -7,8 +7,7 @@ Plain Triton kernels that move bytes the way the ops do and nothing else, timed 
   one 4 KiB chunk at bs 16, D 128, bf16) in a random order, and in address order;
 * chunk scatter: 64 MiB read in order and written as chunks of C bytes (the fp8_ds_mla insert writes
   576 B per token) to random chunk slots of a region 8 times larger, and to consecutive slots; a program
-  moves 2 KiB (several chunks when they are smaller).
-
+  moves 2 KiB (several chunks when they are smaller);
 * chunk pairs: random 4 KiB chunks from two streams a fixed distance apart, with the same chunk ids in both
   (a decode reads block b's K and V) or unrelated ones;
 * the decode itself with its K and V caches placed at several distances.

@@ -1,10 +1,11 @@
 """Tile sweep of the attention kernels on a GPU: `python -m benchmarks.sweep_attention [--decode-only |
---prefill-only] [--prefetch]`.
+--prefill-only] [--prefetch] [--bf16-only]`.
 
 Times the benchmark's decode and mixed-step cases (benchmarks/bench_attention.py) under each tile
 setting of `kernels/attention.py` (patched in place of `decode_tiles` / `prefill_tiles`) and prints
 one line per (setting, case): median µs by do_bench and GB/s. The committed defaults come from it.
---prefetch sweeps the decode kernel's register-prefetch loop (PREFETCH) instead of its tiles.
+--prefetch sweeps the decode kernel's register-prefetch loop (PREFETCH) instead of its tiles; --bf16-only
+leaves out the fp8-cache cases.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from . import harness
 DECODE_CONFIGS = ((128, 4, 2, 2), (128, 4, 3, 2), (64, 2, 2, 4), (64, 2, 3, 4), (64, 4, 2, 4), (32, 1, 2, 4),
                   (32, 1, 3, 8), (32, 1, 4, 8), (32, 2, 2, 8), (32, 2, 3, 8))
 # --prefetch: the register-prefetch loop (one stage), against the defaults (None)
+# (..., MAX_SPLITS) where given; the first setting is timed again last, for the run-to-run spread
 PREFETCH_CONFIGS = (None, (32, 2, 1, 8), (32, 2, 1, 4), (32, 2, 1, 16), (32, 2, 1, 8, 128), (64, 4, 1, 4),
-                    (32, 2, 1, 8))   # (..., MAX_SPLITS) where given
+                    (32, 2, 1, 8))
 
 
 def _time(args) -> float:
@@ -61,12 +63,12 @@ def main() -> int:
     prefetch = "--prefetch" in sys.argv
     configs = PREFETCH_CONFIGS if prefetch else DECODE_CONFIGS
     for config in () if "--prefill-only" in sys.argv else configs:
+        kernels.MAX_SPLITS = config[4] if config is not None and len(config) > 4 else max_splits
         if config is None:
             block_n = warps = stages = per_sm = "default"
             kernels.decode_tiles = original_decode
         else:
             block_n, warps, stages, per_sm = config[:4]
-            kernels.MAX_SPLITS = config[4] if len(config) > 4 else max_splits
 
             def tiles(geo, q_dtype, kv_fp8, target, block_n=block_n, warps=warps, stages=stages, per_sm=per_sm):
                 return dict(original_decode(geo, q_dtype, kv_fp8, target), BLOCK_N=block_n, num_warps=warps,

@@ -275,6 +275,15 @@ def _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, in_range, scale, slope, p_scal
                              TABLE_PTR)
     kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0,
                         vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, KV_FP8, KV_SW, DOT_DTYPE, K_GROUPS)
+    return _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, p_scale, DOT_F32, CAUSAL, SW,
+                        ALIBI, P_SCALED)
+
+
+@triton.jit
+def _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, p_scale, DOT_F32: tl.constexpr,
+                 CAUSAL: tl.constexpr, SW: tl.constexpr, ALIBI: tl.constexpr, P_SCALED: tl.constexpr):
+    """The scores of a loaded tile (K^T kt, V v of keys kp, valid in key_ok; times `scale`, plus ALiBi), the
+    mask, and the online-softmax update of (m_i, l_i, acc)."""
     s = _scores(q, kt, DOT_F32) * scale
     if ALIBI:
         s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
@@ -477,11 +486,8 @@ def decode_kernel(
                                           kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
                                           True)
             kt, v = _cache_values(k_raw, v_raw, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, True)
-            s = _scores(q, kt, DOT_F32) * scale
-            if ALIBI:
-                s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
-            vis = _visible(qp, kp, key_ok, row_ok, False, SW)
-            m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, 1.0, DOT_F32, False)
+            m_i, l_i, acc = _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, 1.0, DOT_F32,
+                                         False, SW, ALIBI, False)
             k_raw, v_raw, key_ok = k_raw1, v_raw1, ok1
             blk1, ok1 = blk2, ok2
     else:
