@@ -36,15 +36,18 @@ class Spec:
     T: int = 0            # insert tokens
     R: int = 0            # gather requests
     L: int = 0            # gather entries per request
+    sequential: bool = False  # insert: consecutive slots (a prefill's pattern; a probe, not the target's case)
 
     @property
     def name(self) -> str:
-        return f"insert T={self.T}" if self.op == "insert" else f"gather R={self.R} L={self.L}"
+        if self.op == "insert":
+            return f"insert T={self.T}" + (" sequential slots" if self.sequential else "")
+        return f"gather R={self.R} L={self.L}"
 
     def params(self) -> dict:
         p = dict(op=self.op, block_size=BS, page_stride=PAGE)
         if self.op == "insert":
-            p.update(T=self.T, slots="random unique")
+            p.update(T=self.T, slots="consecutive" if self.sequential else "random unique")
         else:
             p.update(T=self.R * self.L, R=self.R, L=self.L, table="random physical blocks")
         return p
@@ -64,7 +67,10 @@ def build_insert(s: Spec, device) -> harness.Workload:
     nsets = harness.rotation_sets(s.T * (2 * layout.INDEXER_DIM + 8), device)
     num_blocks = layout.cdiv(2 * s.T * nsets, BS)
     ks = [(torch.randn(s.T, layout.INDEXER_DIM, device=device) * 3).to(torch.bfloat16) for _ in range(nsets)]
-    slots = [torch.randperm(num_blocks * BS, device=device)[:s.T].contiguous() for _ in range(nsets)]
+    if s.sequential:
+        slots = [torch.arange(i * s.T, (i + 1) * s.T, device=device) for i in range(nsets)]
+    else:
+        slots = [torch.randperm(num_blocks * BS, device=device)[:s.T].contiguous() for _ in range(nsets)]
     cache = _cache(num_blocks, device)
 
     def run(i: int) -> None:
@@ -123,7 +129,8 @@ def cases(quick: bool, device: torch.device) -> list[harness.Case]:
     if device.type != "cuda":
         return [_case(Spec("insert", T=t)) for t in CPU_INSERT_T] + [_case(Spec("gather", R=CPU_GATHER[0],
                                                                                 L=CPU_GATHER[1]))]
-    return [_case(Spec("insert", T=t)) for t in INSERT_T] + [_case(Spec("gather", R=GATHER[0], L=GATHER[1]))]
+    return [_case(Spec("insert", T=t)) for t in INSERT_T] + [_case(Spec("gather", R=GATHER[0], L=GATHER[1])),
+                                                             _case(Spec("insert", T=HEADLINE_T, sequential=True))]
 
 
 def targets(doc: dict) -> dict:

@@ -1,11 +1,12 @@
-"""Tile and warp sweep of the k_cache and sparse_index kernels on a GPU, one command:
+"""Tile and warp sweep of the k_cache, sparse_index, head-major cache-write and indexer insert kernels on a GPU,
+one command:
 
-    python -m benchmarks.sweep_tiles --out DIR [--only k_cache|sparse_index] [--focus]
+    python -m benchmarks.sweep_tiles --out DIR [--only k_cache|sparse_index|cache|indexer] [--focus]
 
-For each variant (module-level tile settings of `kernels/k_cache.py` or `kernels/sparse_index.py`,
-set for the variant and restored after), the plan caches are emptied and the family's benchmark cases
-of interest are timed with the benchmark harness (same build, timing method and reference check as
-`benchmarks.run`). Writes DIR/sweep_tiles.json and prints one line per (variant, case). The chosen
+For each variant (module-level tile settings of `kernels/k_cache.py`, `kernels/sparse_index.py`,
+`kernels/cache.py` or `kernels/indexer.py`, set for the variant and restored after), the plan caches are
+emptied and the family's benchmark cases of interest are timed with the benchmark harness (same build,
+timing method and reference check as `benchmarks.run`). Writes DIR/sweep_tiles.json and prints one line per (variant, case). The chosen
 settings are the modules' defaults; this records why.
 """
 from __future__ import annotations
@@ -16,11 +17,17 @@ import os
 
 import torch
 
+from torch_dsv4_ops.kernels import cache as kc
+from torch_dsv4_ops.kernels import indexer as ki
 from torch_dsv4_ops.kernels import k_cache as kk
 from torch_dsv4_ops.kernels import sparse_index as ks
+from torch_dsv4_ops.ops import cache as oc
+from torch_dsv4_ops.ops import indexer as oi
 from torch_dsv4_ops.ops import k_cache as ok
 from torch_dsv4_ops.ops import sparse_index as osi
 
+from . import bench_cache as bc
+from . import bench_indexer as bi
 from . import bench_k_cache as bk
 from . import bench_sparse_index as bs
 from . import harness
@@ -52,6 +59,20 @@ def _sparse_plan():
     return ks, (osi._PLANS,), plans
 
 
+def _cache_plan():
+    """Warps of the head-major group kernel, on the prefill pattern (runs of 16 slots), bf16 and fp8."""
+    runs = [bc._case(bc.Spec(bc.HEADLINE_T, kv_cache_dtype=kv, layout="head_major", runs=True), series=False)
+            for kv in ("auto", "fp8")]
+    return kc, (oc._FLASH_PLANS,), [({"GROUP_WARPS_BY_X": {16: w, 8: w}}, runs) for w in (2, 1, 4, 8)]
+
+
+def _indexer_plan():
+    """Rows per program and warps of the indexer K insert, random and consecutive slots."""
+    insert = [bi._case(bi.Spec("insert", T=bi.HEADLINE_T, sequential=q)) for q in (False, True)]
+    return ki, (oi._INSERT_PLANS,), [({"INSERT_TOKENS": t, "INSERT_MAX_WARPS": w}, insert)
+                                     for t, w in ((8, 4), (8, 2), (16, 2), (16, 4), (32, 4), (4, 1))]
+
+
 def _k_cache_focus():
     """The insert's tokens and warps around the default, and the window gather's narrow step."""
     insert = [bk._case(bk.Spec("insert", T=65536), series=False),
@@ -66,14 +87,14 @@ def _k_cache_focus():
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--only", choices=("k_cache", "sparse_index"))
+    p.add_argument("--only", choices=("k_cache", "sparse_index", "cache", "indexer"))
     p.add_argument("--focus", action="store_true", help="the few variants around the current defaults")
     args = p.parse_args()
     device = torch.device("cuda")
     ceiling = harness.copy_ceiling(device)
     print("copy ceiling", ceiling, flush=True)
     rows = []
-    families = {"k_cache": _k_cache_plan, "sparse_index": _sparse_plan}
+    families = {"k_cache": _k_cache_plan, "sparse_index": _sparse_plan, "cache": _cache_plan, "indexer": _indexer_plan}
     if args.focus:
         families = {"k_cache": _k_cache_focus}
     for fam, make in families.items():

@@ -176,9 +176,9 @@ def head_major_group_kernel(
 
     In a head-major cache a token's V values sit `block_size` elements apart (and its K values in
     x-element pieces), so one token's writes are partial sectors. Consecutive tokens of one block are
-    adjacent instead: when the group's slots are one run inside one block (a prefill), V rows of TOK
-    tokens and K rows of TOK*x elements are stored as contiguous runs (full sectors); otherwise every
-    element goes to its own slot's address."""
+    adjacent instead: when the group's slots are one run inside one block starting at a multiple of TOK
+    slots (a prefill), V rows of TOK tokens and K rows of TOK*x elements are stored as contiguous,
+    aligned runs (vector stores, full sectors); otherwise every element goes to its own slot's address."""
     g = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     t = tl.arange(0, TOK)
@@ -213,14 +213,16 @@ def head_major_group_kernel(
     dx = tl.arange(0, BLOCK_DK // XK)
     di = tl.arange(0, XK)
     k_in = (dx[:, None, None] * XK + di[None, None, :]) < DK
-    # the group is one run inside one block: slot[i] = slot[0] + i for every i, all valid
+    # the group is one run inside one block, at a multiple of TOK slots (every run of a whole block when
+    # BS == TOK): slot[i] = slot[0] + i for every i, all valid. Its V rows of TOK elements then start
+    # aligned and leave as vector stores; any other group stores element by element.
     s0 = tl.sum(tl.where(t == 0, slot, 0), axis=0)
     shift = slot - t
     run = (tl.sum(valid.to(tl.int32), axis=0) == TOK) & (tl.min(shift, axis=0) == s0) & \
-        (tl.max(shift, axis=0) == s0) & (s0 % BS + TOK <= BS)
+        (tl.max(shift, axis=0) == s0) & (s0 % BS + TOK <= BS) & (s0 % TOK == 0)
     if PACKED and run:
         blk0 = s0 // BS
-        off0 = s0 % BS
+        off0 = (s0 % BS // TOK) * TOK       # == s0 % BS; written so that the compiler sees it divisible by TOK
         j = tl.arange(0, TOK * XK)
         k2 = tl.reshape(k3, (BLOCK_DK // XK, TOK * XK))
         tl.store(kc_ptr + blk0 * kc_blk + h * kc_h + dx[:, None] * kc_dx + off0 * XK + j[None, :], k2,
@@ -283,6 +285,9 @@ def constexprs(h, dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_size, 
 
 GROUP_TOKENS = 16          # head-major caches: consecutive input tokens one program writes (one head)
 GROUP_MIN_TOKENS = 256     # ... from this many tokens on (prefill sizes); fewer go one token per program
+# ... on this many warps, by the cache's K piece width x (16 B / element size; measured on an H100 with
+# prefill-pattern writes, benchmarks/NOTES.md): fp8 caches 2, 16-bit caches 1; other caches by tile size
+GROUP_WARPS_BY_X = {16: 2, 8: 1}
 
 
 def uses_group_kernel(layout_name: str, tokens: int) -> bool:
@@ -303,7 +308,13 @@ def group_constexprs(dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_siz
                 PACKED=packed, IN_FP8=codec.in_fp8, OUT_KIND=codec.out_kind, OUT_FP8=codec.out_fp8,
                 SCALED=codec.scaled, DIV64=codec.div64, SW_IN=codec.sw_in, SW_OUT=codec.sw_out,
                 PDL=platform.supports_pdl(target),
-                num_warps=platform.num_warps_for(target, GROUP_TOKENS * max(block_dk, block_dv)))
+                num_warps=group_warps(x, GROUP_TOKENS * max(block_dk, block_dv), target))
+
+
+def group_warps(x: int, tile_elements: int, target: platform.Target) -> int:
+    """Warps of `head_major_group_kernel` for a cache of K piece width `x` and a tile of that many elements."""
+    by_size = platform.num_warps_for(target, tile_elements)
+    return min(GROUP_WARPS_BY_X.get(x, by_size), by_size)
 
 
 def group_runtime_args(tokens: int, num_slots: int, slot_stride: int, key_strides, value_strides,

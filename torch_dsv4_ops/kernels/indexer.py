@@ -23,6 +23,7 @@ from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernel
 from .k_cache import ue8m0_codec, ue8m0_codes, ue8m0_exponents
 
 INSERT_TOKENS = 8            # rows per insert program (16 KB of bf16 in, 4 KB of codes out)
+INSERT_MAX_WARPS = 4         # ... on at most this many warps
 GATHER_ROWS = 16             # rows per gather step
 MAX_WORKERS = 256            # gather programs per request, at most
 
@@ -95,7 +96,7 @@ GATHER_LAUNCHER = FastLauncher(indexer_gather_kernel)
 def insert_constexprs(block_size: int, use_fnuz: bool, target: platform.Target) -> dict:
     return dict(BS=block_size, D=layout.INDEXER_DIM, SCALE_BYTES=layout.INDEXER_SCALE_BYTES,
                 **ue8m0_codec(fp8_format(use_fnuz), target), TOKENS=INSERT_TOKENS,
-                num_warps=platform.num_warps_for(target, INSERT_TOKENS * layout.INDEXER_DIM))
+                num_warps=min(INSERT_MAX_WARPS, platform.num_warps_for(target, INSERT_TOKENS * layout.INDEXER_DIM)))
 
 
 def insert_runtime_args(n_tokens: int, k_stride: int, slot_stride: int, num_slots: int, block_stride: int) -> tuple:

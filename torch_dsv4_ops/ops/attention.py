@@ -410,7 +410,9 @@ def example_batch(query_lens, seq_lens, *, hq=8, hkv=2, dim=64, bs=16, dtype=tor
     (query, key, value, output, kv_cache_dtype, key_cache, value_cache, block_table, query_start_loc,
     seq_lens, max_seq_len, max_query_len, k_scale, v_scale). Blocks are a random permutation; the
     new tokens' K/V are in the cache too (the decode path reads them there). Data is drawn on
-    `device` (seeded), so large batches build quickly on a GPU."""
+    `device` (seeded), so large batches build quickly on a GPU; on the CPU the writer's reference runs
+    (bit-identical to the kernel, and not the interpreter's time)."""
+    from ..library import cpu_implementation
     from .cache import reshape_and_cache_flash
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -441,7 +443,8 @@ def example_batch(query_lens, seq_lens, *, hq=8, hkv=2, dim=64, bs=16, dtype=tor
     kv_cache_dtype = "fp8" if fp8 else "auto"
     k_scale = torch.tensor([0.02], device=device)
     v_scale = torch.tensor([0.03], device=device)
-    reshape_and_cache_flash(all_k, all_v, key_cache, value_cache, slots, kv_cache_dtype, k_scale, v_scale)
+    with cpu_implementation("reference"):
+        reshape_and_cache_flash(all_k, all_v, key_cache, value_cache, slots, kv_cache_dtype, k_scale, v_scale)
     query = torch.randn(tokens, hq, dim, generator=g, device=device).to(dtype)
     qsl = [0]
     for n in query_lens:

@@ -468,7 +468,9 @@ def _prefill_out_fake(q, kv, indices, sm_scale, out, max_logits, lse, attn_sink=
 # --- self-check examples ---------------------------------------------------------------------------------------
 def example_caches(num_blocks: int, block_size: int, *, seed: int = 0, fnuz: bool = False, device="cpu"):
     """A padded fp8_ds_mla cache [num_blocks, bs, 584] view (engine page stride) whose every slot holds a
-    random bf16 row written by quantize_and_insert_k_cache (scaled so some blocks are large, some small)."""
+    random bf16 row written by quantize_and_insert_k_cache (scaled so some blocks are large, some small).
+    On the CPU the writer's reference runs (bit-identical to the kernel, and not the interpreter's minutes)."""
+    from ..library import cpu_implementation
     from .k_cache import quantize_and_insert_k_cache
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -478,8 +480,9 @@ def example_caches(num_blocks: int, block_size: int, *, seed: int = 0, fnuz: boo
     n = num_blocks * block_size
     rows = torch.randn(n, layout.HEAD_DIM, generator=g, device=device)
     rows *= torch.exp2(torch.randint(-3, 4, (n, 1), generator=g, device=device).float())
-    quantize_and_insert_k_cache(rows.to(torch.bfloat16), cache, torch.arange(n, device=device), block_size,
-                                True, fnuz)
+    with cpu_implementation("reference"):
+        quantize_and_insert_k_cache(rows.to(torch.bfloat16), cache, torch.arange(n, device=device), block_size,
+                                    True, fnuz)
     return cache
 
 
