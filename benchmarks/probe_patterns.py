@@ -1,4 +1,5 @@
-"""What the access patterns of the paged ops cost by themselves (GPU only): `python -m benchmarks.probe_patterns`.
+"""What the access patterns of the paged ops cost by themselves (GPU only):
+`python -m benchmarks.probe_patterns [--only reads pairs scatter decode] [--out DIR]`.
 
 Plain Triton kernels that move bytes the way the ops do and nothing else, timed like the benchmarks
 (CUDA-graph replay of back-to-back calls), against the read and copy ceilings of the same run:
@@ -7,7 +8,8 @@ Plain Triton kernels that move bytes the way the ops do and nothing else, timed 
   one 4 KiB chunk at bs 16, D 128, bf16) in a random order, and in address order;
 * chunk scatter: 64 MiB read in order and written as chunks of C bytes (the fp8_ds_mla insert writes
   576 B per token) to random chunk slots of a region 8 times larger, and to consecutive slots; a program
-  moves 2 KiB (several chunks when they are smaller);
+  moves 2 KiB (several chunks when they are smaller); with side words, 4 B more per chunk to the slot's word
+  of a separate array (the indexer cache's 128 B rows and 4 B scales);
 * chunk pairs: random 4 KiB chunks from two streams a fixed distance apart, with the same chunk ids in both
   (a decode reads block b's K and V) or unrelated ones;
 * the decode itself with its K and V caches placed at several distances.
@@ -60,14 +62,18 @@ def _chunk_pair_kernel(src_ptr, order_a_ptr, order_b_ptr, b_offset, out_ptr, CHU
 
 
 @triton.jit
-def _chunk_scatter_kernel(src_ptr, slot_ptr, dst_ptr, CHUNK: tl.constexpr, PER_PROGRAM: tl.constexpr):
+def _chunk_scatter_kernel(src_ptr, slot_ptr, dst_ptr, side_ptr, CHUNK: tl.constexpr, PER_PROGRAM: tl.constexpr,
+                          SIDE: tl.constexpr):
     """Copy chunks c = p * PER_PROGRAM + i of src (CHUNK int32 words each, in order) to chunk slot[c] of dst,
-    every load before the first store."""
+    every load before the first store; with SIDE, also one int32 per chunk to word slot[c] of side (a scale
+    beside each row, as the indexer cache keeps them: 4 B of a 32 B sector)."""
     c = tl.program_id(0).to(tl.int64) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)
     w = tl.arange(0, CHUNK)
     s = tl.load(slot_ptr + c).to(tl.int64)
     x = tl.load(src_ptr + c[:, None] * CHUNK + w[None, :])
     tl.store(dst_ptr + s[:, None] * CHUNK + w[None, :], x)
+    if SIDE:
+        tl.store(side_ptr + s, tl.sum(x, 1))
 
 
 def _time(run, nsets: int, nbytes: int) -> float:
@@ -114,23 +120,29 @@ def chunk_pairs(offset_bytes: int, same_chunk: bool, device, chunk_bytes: int = 
             "us": harness.sig(us), "gbps": harness.sig(READ_BYTES / us / 1e3)}
 
 
-def chunk_scatter(chunk_bytes: int, random: bool, device) -> dict:
+def chunk_scatter(chunk_bytes: int, random: bool, device, side: bool = False) -> dict:
+    """SCATTER_BYTES copied as chunks to random or consecutive slots; with `side`, 4 B more per chunk to the
+    slot's word of a side array (counted in the bytes moved)."""
     words = chunk_bytes // 4
     n = SCATTER_BYTES // chunk_bytes
     nsets = harness.rotation_sets(2 * SCATTER_BYTES, device)
     srcs = [torch.randint(0, 1 << 20, (n * words,), dtype=torch.int32, device=device) for _ in range(nsets)]
     dst = torch.empty(8 * n * words, dtype=torch.int32, device=device)
+    side_words = torch.empty(8 * n if side else 1, dtype=torch.int32, device=device)
     slots = [(torch.randperm(8 * n, device=device)[:n] if random else torch.arange(i * n, (i + 1) * n, device=device))
              .to(torch.int32) for i in range(nsets)]
     per_program = max(1, 2048 // chunk_bytes)          # 2 KiB per program, as the insert's 4-token tile
     warps = max(1, min(8, per_program * chunk_bytes // 512))
 
     def run(i: int) -> None:
-        _chunk_scatter_kernel[(n // per_program,)](srcs[i], slots[i], dst, words, per_program, num_warps=warps)
+        _chunk_scatter_kernel[(n // per_program,)](srcs[i], slots[i], dst, side_words, words, per_program, side,
+                                                   num_warps=warps)
 
-    us = _time(run, nsets, 2 * SCATTER_BYTES)
-    return {"pattern": f"copy {chunk_bytes} B chunks to {'random' if random else 'consecutive'} slots",
-            "us": harness.sig(us), "gbps": harness.sig(2 * SCATTER_BYTES / us / 1e3)}
+    nbytes = 2 * SCATTER_BYTES + (4 * n if side else 0)
+    us = _time(run, nsets, nbytes)
+    return {"pattern": f"copy {chunk_bytes} B chunks{' + 4 B side words' if side else ''} to "
+                       f"{'random' if random else 'consecutive'} slots",
+            "us": harness.sig(us), "gbps": harness.sig(nbytes / us / 1e3)}
 
 
 def decode_cache_placement(device, pads=(0, 4096, 69632, 2 * harness.MiB)) -> list[dict]:
@@ -169,7 +181,10 @@ def decode_cache_placement(device, pads=(0, 4096, 69632, 2 * harness.MiB)) -> li
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out")
+    p.add_argument("--only", choices=("reads", "pairs", "scatter", "decode"), nargs="+",
+                   help="these pattern groups only (default: all)")
     args = p.parse_args()
+    groups = set(args.only or ("reads", "pairs", "scatter", "decode"))
     device = torch.device("cuda")
     copy = harness.copy_ceiling(device)
     read = harness.read_matmul_ceilings(device)["read_ceiling"]
@@ -180,16 +195,17 @@ def main() -> None:
         rows.append(row)
         harness.free_memory(device)
 
-    for chunk in (512, 1024, 2048, 4096, 8192):
+    for chunk in (512, 1024, 2048, 4096, 8192) if "reads" in groups else ():
         for random in (False, True):
             add(chunk_reads(chunk, random, device), read, "pct_of_read")
     for offset_mib, same in ((1024, False), (1024, True), (1026, True), (1024 + 1 / 256, True),
-                             (1024 + 17 / 256, True)):
+                             (1024 + 17 / 256, True)) if "pairs" in groups else ():
         add(chunk_pairs(int(offset_mib * harness.MiB), same, device), read, "pct_of_read")
-    for chunk in (128, 256, 512, 1024, 2048):
+    for chunk, side in ((128, False), (128, True), (256, False), (512, False), (512, True), (1024, False),
+                        (2048, False)) if "scatter" in groups else ():
         for random in (False, True):
-            add(chunk_scatter(chunk, random, device), copy, "pct_of_copy")
-    for r in decode_cache_placement(device):
+            add(chunk_scatter(chunk, random, device, side), copy, "pct_of_copy")
+    for r in decode_cache_placement(device) if "decode" in groups else ():
         add(r, read, "pct_of_read")
     print(f"read ceiling {read['gbps']} GB/s, copy ceiling {copy['gbps']} GB/s ({torch.cuda.get_device_name()})")
     for r in rows:

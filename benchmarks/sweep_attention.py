@@ -25,9 +25,10 @@ from . import harness
 DECODE_CONFIGS = ((128, 4, 2, 2), (128, 4, 3, 2), (64, 2, 2, 4), (64, 2, 3, 4), (64, 4, 2, 4), (32, 1, 2, 4),
                   (32, 1, 3, 8), (32, 1, 4, 8), (32, 2, 2, 8), (32, 2, 3, 8))
 # --prefetch: the register-prefetch loop (one stage), against the defaults (None)
-# (..., MAX_SPLITS) where given; the first setting is timed again last, for the run-to-run spread
-PREFETCH_CONFIGS = (None, (32, 2, 1, 8), (32, 2, 1, 4), (32, 2, 1, 16), (32, 2, 1, 8, 128), (64, 4, 1, 4),
-                    (32, 2, 1, 8))
+# (..., MAX_SPLITS, K_GROUPS) where given (MAX_SPLITS None: the default); the first setting is timed again last,
+# for the run-to-run spread
+PREFETCH_CONFIGS = (None, (32, 2, 1, 4, None, False), (32, 2, 1, 8, None, False), (64, 2, 1, 4, None, False),
+                    (32, 2, 1, 4), None)
 
 
 def _time(args) -> float:
@@ -63,23 +64,26 @@ def main() -> int:
     prefetch = "--prefetch" in sys.argv
     configs = PREFETCH_CONFIGS if prefetch else DECODE_CONFIGS
     for config in () if "--prefill-only" in sys.argv else configs:
-        kernels.MAX_SPLITS = config[4] if config is not None and len(config) > 4 else max_splits
+        kernels.MAX_SPLITS = config[4] if config is not None and len(config) > 4 and config[4] else max_splits
+        k_groups = config[5] if config is not None and len(config) > 5 else "default"
         if config is None:
             block_n = warps = stages = per_sm = "default"
             kernels.decode_tiles = original_decode
         else:
             block_n, warps, stages, per_sm = config[:4]
 
-            def tiles(geo, q_dtype, kv_fp8, target, block_n=block_n, warps=warps, stages=stages, per_sm=per_sm):
-                return dict(original_decode(geo, q_dtype, kv_fp8, target), BLOCK_N=block_n, num_warps=warps,
-                            num_stages=stages, per_sm=per_sm, prefetch=prefetch)
+            def tiles(geo, q_dtype, kv_fp8, target, block_n=block_n, warps=warps, stages=stages, per_sm=per_sm,
+                      k_groups=k_groups):
+                t = dict(original_decode(geo, q_dtype, kv_fp8, target), BLOCK_N=block_n, num_warps=warps,
+                         num_stages=stages, per_sm=per_sm, prefetch=prefetch)
+                return t if k_groups == "default" else dict(t, k_groups=k_groups)
             kernels.decode_tiles = tiles
         _reset()
         for s in all_decode:
             try:
                 us = _time(batches[s.name][1])
                 print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} per_sm={per_sm} "
-                      f"max_splits={kernels.MAX_SPLITS} | {s.name}: {us:.1f} us "
+                      f"max_splits={kernels.MAX_SPLITS} k_groups={k_groups} | {s.name}: {us:.1f} us "
                       f"{s.bytes_per_call() / us / 1e3:.0f} GB/s", flush=True)
             except Exception as e:   # e.g. out of shared memory
                 print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} per_sm={per_sm} | {s.name}: "

@@ -411,12 +411,13 @@ def decode_kernel(
     V_RUN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     SW: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, TABLE_PTR: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr,
-    O_SW: tl.constexpr, PREFETCH: tl.constexpr,
+    O_SW: tl.constexpr, PREFETCH: tl.constexpr, K_GROUPS: tl.constexpr,
 ):
     """Program (r, kvh, s): split s of the visible keys of decode request r (query length 1), for the
     GROUP query heads of kv head kvh (rows padded to BLOCK_H). PREFETCH: the next tile's K/V are loaded into
     registers before the current tile is used, its block ids one tile earlier still (with one pipeline
-    stage: Triton's own pipelining waits for a tile's copies before the next tile's are issued)."""
+    stage: Triton's own pipelining waits for a tile's copies before the next tile's are issued). K_GROUPS:
+    K loads as [d group, key, x] (`_cache_loads`), else as K^T [BLOCK_D, N]."""
     # fp8 caches: fp16 dots (codes convert to fp16 in one instruction per pair; bf16 q is rescaled, below)
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.float16 if KV_FP8 != 0 else q_ptr.dtype.element_ty
     r = tl.program_id(0).to(tl.int64)
@@ -473,7 +474,7 @@ def decode_kernel(
         blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
                                  TABLE_PTR)
         k_raw, v_raw = _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, t_lo < t_hi, kc_s0, kc_s1,
-                                    kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, True)
+                                    kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, K_GROUPS)
         kp = kp + BLOCK_N
         blk1, ok1 = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
                                TABLE_PTR)
@@ -484,8 +485,8 @@ def decode_kernel(
                                    page_bytes, TABLE_PTR)
             k_raw1, v_raw1 = _cache_loads(kc_ptr, vc_ptr, kp + BLOCK_N, ok1, blk1, kvh, d, num_blocks, it + 1 < t_hi,
                                           kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                                          True)
-            kt, v = _cache_values(k_raw, v_raw, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, True)
+                                          K_GROUPS)
+            kt, v = _cache_values(k_raw, v_raw, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, K_GROUPS)
             m_i, l_i, acc = _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, 1.0, DOT_F32,
                                          False, SW, ALIBI, False)
             k_raw, v_raw, key_ok = k_raw1, v_raw1, ok1
@@ -497,7 +498,7 @@ def decode_kernel(
                                         table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr,
                                         vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X,
                                         K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, False, SW, ALIBI,
-                                        False, True)
+                                        False, K_GROUPS)
     if KV_FP8 != 0:   # every V of this sum has the one scale
         acc = acc * tl.load(v_scale_ptr)
 
@@ -622,19 +623,21 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
     another's load latency: 32-key tiles on one warp for fp8 caches (Triton's two-stage pipeline, whose next
     tile is loaded after the current one is used). Float caches with groups of at most PREFETCH_MAX_ROWS heads
     take the register-prefetch loop (`--prefetch`, 2026-11-26): 32-key tiles on 2 warps, bf16 64 x 4096
-    434 -> 411-414 us (fp8 caches lose with it). `per_sm`: the programs per SM the split count aims at
-    (decode_splits)."""
+    434 -> 411-414 us (fp8 caches lose with it), with K loaded as K^T (`k_groups` False: no element-wise
+    shared-memory transpose, 244 registers without spills; 416-420 -> 412 us). `per_sm`: the programs per SM
+    the split count aims at (decode_splits)."""
     block_h = max(16, triton.next_power_of_2(geo.group))
     prefetch = not kv_fp8 and block_h <= PREFETCH_MAX_ROWS
     if target.backend == "interpreter":      # both loops, as on a GPU: float caches take PREFETCH
         return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1, per_sm=PROGRAMS_PER_SM,
-                    prefetch=prefetch)
+                    prefetch=prefetch, k_groups=not prefetch)
     if geo.block_d > 128 or q_dtype == torch.float32:
         return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=4, num_stages=2, per_sm=PROGRAMS_PER_SM // 2)
     if kv_fp8:
         return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=1, num_stages=2, per_sm=PROGRAMS_PER_SM)
     if prefetch:
-        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=2, num_stages=1, per_sm=PROGRAMS_PER_SM, prefetch=True)
+        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=2, num_stages=1, per_sm=PROGRAMS_PER_SM, prefetch=True,
+                    k_groups=False)
     return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=2, num_stages=2, per_sm=PROGRAMS_PER_SM)
 
 
@@ -687,7 +690,8 @@ def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles:
                 BLOCK_N=tiles["BLOCK_N"],
                 SPLIT=splits > 1, SW=feats.sliding_window,
                 ALIBI=feats.alibi, SINKS=feats.sinks, TABLE_PTR=feats.table_ptr, **numeric_constexprs(numerics),
-                PREFETCH=tiles.get("prefetch", False), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+                PREFETCH=tiles.get("prefetch", False), K_GROUPS=tiles.get("k_groups", True),
+                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
 
 def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics) -> dict:
