@@ -773,9 +773,9 @@ SPLIT_SPEC = Spec(q_lens=(1, 1, 0, 1, 1, 1), seq_lens=(37, 80, 5, 1, 0, 130), hq
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("variant", ["plain", "sw20-alibi", "fp8-e5m2-ptr", "long"])
 def test_decode_split_equivalence(device, impl, variant):
-    """forced_decode_splits(n) for n in {1, 2, 3, 7, 12 (> the 9 key blocks of the longest request), 40}: within
-    tolerance of n = 1 and of the oracle; the sink is counted once and empty splits (sliding window) combine;
-    variant "long" fills all 40 parts with keys."""
+    """forced_decode_splits(n) for n in {1, 2, 3, 7, 12 (> the 9 key blocks of the longest request), 40} (the
+    interpreter runs 1, 3, 12 and 40): within tolerance of n = 1 and of the oracle; the sink is counted once and
+    empty splits (sliding window) combine; variant "long" fills all 40 parts with keys."""
     spec = SPLIT_SPEC
     if variant == "sw20-alibi":
         spec = spec.replace(sw=20, alibi=True)
@@ -787,7 +787,7 @@ def test_decode_split_equivalence(device, impl, variant):
     expected = oracle(case, "chunked")
     tol = TOLERANCES[spec.dtype]
     one = None
-    for n in (1, 2, 3, 7, 12, 40):
+    for n in (1, 2, 3, 7, 12, 40) if device.type == "cuda" else (1, 3, 12, 40):
         out = run(case, "chunked", impl, splits=n)
         check_rows(case, out, expected, f"splits={n} [{impl}]")
         if one is None:

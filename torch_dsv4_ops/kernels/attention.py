@@ -27,6 +27,11 @@ from .. import layout, platform
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
 from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
 
+if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
+    gdc_wait = gdc_launch_dependents = None
+else:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 # How the output is stored (constexpr O_KIND)
 O_NATIVE, O_BF16_BITS, O_FP8 = 0, 1, 2
 
@@ -411,19 +416,23 @@ def decode_kernel(
     V_RUN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     SW: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, TABLE_PTR: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr,
-    O_SW: tl.constexpr, PREFETCH: tl.constexpr, K_GROUPS: tl.constexpr,
+    O_SW: tl.constexpr, PREFETCH: tl.constexpr, K_GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (r, kvh, s): split s of the visible keys of decode request r (query length 1), for the
     GROUP query heads of kv head kvh (rows padded to BLOCK_H). PREFETCH: the next tile's K/V are loaded into
     registers before the current tile is used, its block ids one tile earlier still (with one pipeline
     stage: Triton's own pipelining waits for a tile's copies before the next tile's are issued). K_GROUPS:
-    K loads as [d group, key, x] (`_cache_loads`), else as K^T [BLOCK_D, N]."""
+    K loads as [d group, key, x] (`_cache_loads`), else as K^T [BLOCK_D, N]. PDL (sm_90+): launched as a
+    programmatic dependent, it waits for its predecessor's writes before its first load."""
     # fp8 caches: fp16 dots (codes convert to fp16 in one instruction per pair; bf16 q is rescaled, below)
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.float16 if KV_FP8 != 0 else q_ptr.dtype.element_ty
     r = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     splits = tl.num_programs(2)     # a runtime count (SPEC §4 h); SPLIT: whether there is more than one
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     q0 = tl.load(qsl_ptr + r).to(tl.int64)
     qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
     seq = tl.load(seq_ptr + r * seq_s).to(tl.int64)
@@ -517,12 +526,16 @@ def decode_kernel(
 def combine_kernel(
     o_ptr, qsl_ptr, o_scale_ptr, sinks_ptr, part_ptr, T, Hq, splits, o_s0, o_s1, o_s2,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
-    O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr,
+    O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (r, h): merge the `splits` (<= BLOCK_S) partial rows of decode request r, head h, exactly (the sink
-    joins here), and write the output row."""
+    joins here), and write the output row. PDL: its launch overlaps the decode kernel's, and it waits for the
+    partials before reading them."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     q0 = tl.load(qsl_ptr + r).to(tl.int64)
     qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
     is_decode = (qlen == 1) & (q0 >= 0) & (q0 < T)
@@ -625,7 +638,11 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
     take the register-prefetch loop (`--prefetch`, 2026-11-26): 32-key tiles on 2 warps, bf16 64 x 4096
     434 -> 411-414 us (fp8 caches lose with it), with K loaded as K^T (`k_groups` False: no element-wise
     shared-memory transpose, 244 registers without spills; 416-420 -> 412 us). `per_sm`: the programs per SM
-    the split count aims at (decode_splits)."""
+    the split count aims at (decode_splits). `pdl`: launched as a programmatic dependent (sm_90+)."""
+    return dict(_decode_tiles(geo, q_dtype, kv_fp8, target), pdl=platform.supports_pdl(target))
+
+
+def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) -> dict:
     block_h = max(16, triton.next_power_of_2(geo.group))
     prefetch = not kv_fp8 and block_h <= PREFETCH_MAX_ROWS
     if target.backend == "interpreter":      # both loops, as on a GPU: float caches take PREFETCH
@@ -691,14 +708,14 @@ def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles:
                 SPLIT=splits > 1, SW=feats.sliding_window,
                 ALIBI=feats.alibi, SINKS=feats.sinks, TABLE_PTR=feats.table_ptr, **numeric_constexprs(numerics),
                 PREFETCH=tiles.get("prefetch", False), K_GROUPS=tiles.get("k_groups", True),
-                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+                PDL=tiles.get("pdl", False), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
 
-def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics) -> dict:
+def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics, target: platform.Target) -> dict:
     # a warp per 1024 of the [BLOCK_S, BLOCK_D] fp32 partials (a single warp spilled at 64 x 128)
     return dict(D=geo.d, BLOCK_D=geo.block_d, BLOCK_S=MAX_SPLITS,
                 SINKS=feats.sinks, O_KIND=numerics.o_kind, O_FP8=numerics.o_fp8, O_SW=numerics.o_sw,
-                num_warps=max(1, min(8, MAX_SPLITS * geo.block_d // 1024)))
+                PDL=platform.supports_pdl(target), num_warps=max(1, min(8, MAX_SPLITS * geo.block_d // 1024)))
 
 
 def partial_elements(requests: int, geo: Geometry, splits: int) -> int:
@@ -770,7 +787,7 @@ def matrix_launch_combine(target, name, q_dtype, o_dtype, geo: Geometry, feats: 
     from .matrix import Ptr
 
     numerics, _ = _matrix_numerics(target, q_dtype, "auto", o_dtype)
-    meta = launch_options(combine_constexprs(geo, feats, numerics))
+    meta = launch_options(combine_constexprs(geo, feats, numerics, target))
     f32 = Ptr(torch.float32)
     tensors = (Ptr(output_view(o_dtype, numerics)), Ptr(torch.int32), f32, f32, f32)
     return name, tensors, (17, geo.hq, splits, geo.hq * geo.d, geo.d, 1), meta

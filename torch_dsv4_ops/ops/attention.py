@@ -316,7 +316,7 @@ def _chunked_plan(query, key, value, output, kv_cache_dtype, key_cache, value_ca
     decode = kernels.DECODE_LAUNCHER.bind((checked.requests, geo.hkv, splits), decode_dtypes, ints, meta, device)
     if splits == 1:
         return ChunkedPlan(prefill, decode, None, 0)
-    meta = kernels.launch_options(kernels.combine_constexprs(geo, feats, numerics))
+    meta = kernels.launch_options(kernels.combine_constexprs(geo, feats, numerics, target))
     combine = kernels.COMBINE_LAUNCHER.bind(
         (checked.requests, geo.hq), (dtypes[3], torch.int32, torch.float32, torch.float32, torch.float32),
         (checked.tokens, geo.hq, splits, *output.stride()), meta, device)
