@@ -37,9 +37,17 @@ demo: install ## install, then self-check every op on the best device present (p
 	$(PYTHON) -m torch_dsv4_ops
 
 # References, Triton kernels under the interpreter (conftest sets TRITON_INTERPRET=1 without a GPU),
-# schemas, opcheck, torch.compile and the AOT compile matrix.
+# schemas, opcheck, torch.compile and the AOT compile matrix. Two pytest processes side by side, to keep
+# CI's 2 cores busy: the compile-matrix tests (whose conftest starts the matrix compiles at once, in their own
+# worker processes) and every other test spread over TEST_WORKERS pytest-xdist workers. The matrix tests'
+# output follows the others'.
+TEST_WORKERS ?= 2
+MATRIX_LOG := .matrix-tests.log
 test: install ## install, then run the whole CPU suite (what CI runs)
-	$(PYTHON) -m pytest -q -p no:cacheprovider
+	@$(PYTHON) -m pytest -q -p no:cacheprovider tests/test_compile_matrix.py > $(MATRIX_LOG) 2>&1 & matrix=$$!; \
+	$(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --ignore=tests/test_compile_matrix.py; rest=$$?; \
+	wait $$matrix; mrc=$$?; echo "==== compile-matrix tests ===="; cat $(MATRIX_LOG); rm -f $(MATRIX_LOG); \
+	test $$rest -eq 0 -a $$mrc -eq 0
 
 test-fast: ## run the suite as is, stopping at the first failure (no install step)
 	$(PYTHON) -m pytest -q -x -p no:cacheprovider

@@ -13,7 +13,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "triton>=3.6", "numpy"],
     extras_require={
-        "test": ["pytest", "expecttest", "hypothesis", "numpy", "ninja"],
+        "test": ["pytest", "pytest-xdist", "expecttest", "hypothesis", "numpy", "ninja"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["dsv4-selfcheck=torch_dsv4_ops.__main__:main"]},

@@ -27,7 +27,7 @@ DECODE_CONFIGS = ((128, 4, 2, 2), (128, 4, 3, 2), (64, 2, 2, 4), (64, 2, 3, 4), 
 # --prefetch: the register-prefetch loop (one stage), against the defaults (None)
 # (..., MAX_SPLITS, K_GROUPS) where given (MAX_SPLITS None: the default); the first setting is timed again last,
 # for the run-to-run spread
-PREFETCH_CONFIGS = (None, (32, 2, 1, 4, None, False), (32, 2, 1, 8, None, False), (64, 2, 1, 4, None, False),
+PREFETCH_CONFIGS = (None, (32, 2, 1, 4, None, False), (32, 1, 1, 8, None, False), (16, 1, 1, 8, None, False),
                     (32, 2, 1, 4), None)
 
 

@@ -4,8 +4,8 @@ compiles the fp8 path (hardware casts or the software codec) that `platform.nati
 
 The matrix runs once, in a subprocess without TRITON_INTERPRET (conftest sets it for this process),
 through the CLI `python -m torch_dsv4_ops.compile_matrix --scope ci --json`; the tests read its JSON. The CI
-scope compiles every case on two targets (sm_90, gfx942) and, on the other seven, every
-flash-cache case plus one case of every other kernel (`compile_matrix.scoped_cases`); `make compile-matrix`
+scope compiles, on every target, every flash-cache case plus one case of every other kernel
+(`compile_matrix.scoped_cases`); `make compile-matrix`
 compiles every case on all nine.
 """
 import pathlib
