@@ -1,7 +1,7 @@
 """Triton kernels for paged attention over head-major flash caches (SPEC §2.3, §3.7).
 
-`prefill_kernel` (context_attention_fwd): program (t, g, r) computes BLOCK_Q query rows of request r
-for HEADS query heads of one kv head (the rows of a tile are (query, head) pairs, so a K/V tile
+`prefill_kernel` (context_attention_fwd): program (t, g, i) computes BLOCK_Q query rows of request
+R - 1 - i for HEADS query heads of one kv head (the rows of a tile are (query, head) pairs, so a K/V tile
 loaded once serves every query head of its group), first over the cached keys, then over the dense
 new keys, with an online softmax in base 2.
 `decode_kernel` (the qlen == 1 requests of chunked_prefill_paged_decode): program (r, kvh, s) takes
@@ -112,10 +112,13 @@ def _codes(x, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr
 
 
 @triton.jit
-def _softmax_step(s, vis, v, m_i, l_i, acc, p_scale, DOT_F32: tl.constexpr, P_SCALED: tl.constexpr):
-    """One online-softmax step (base 2): scores s [M, N] (already scaled by log2 e), masked by vis,
-    values v [N, D] in the dot dtype, multiplied by p_scale (the V scale of an fp8 cache) when P_SCALED."""
-    s = tl.where(vis, s, float("-inf"))
+def _softmax_step(s, vis, v, m_i, l_i, acc, p_scale, DOT_F32: tl.constexpr, P_SCALED: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """One online-softmax step (base 2): scores s [M, N] (already scaled by log2 e), masked by vis where
+    MASKED, values v [N, D] in the dot dtype, multiplied by p_scale (the V scale of an fp8 cache) when
+    P_SCALED."""
+    if MASKED:
+        s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -273,27 +276,102 @@ def _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, in_range, scale, slope, p_scal
                 D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
                 TABLE_PTR: tl.constexpr, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr,
                 DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, SW: tl.constexpr, ALIBI: tl.constexpr,
-                P_SCALED: tl.constexpr, K_GROUPS: tl.constexpr):
+                P_SCALED: tl.constexpr, K_GROUPS: tl.constexpr, MASK: tl.constexpr):
     """One tile of cached keys kp (those in_range): their blocks, K and V, the scores (times `scale`, plus
-    ALiBi), the mask, and the online-softmax update of (m_i, l_i, acc)."""
+    ALiBi), the mask (MASK as in `_tile_update`), and the online-softmax update of (m_i, l_i, acc)."""
     blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, in_range, t_s1, W, num_blocks, cache_base, page_bytes,
                              TABLE_PTR)
     kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0,
                         vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, KV_FP8, KV_SW, DOT_DTYPE, K_GROUPS)
     return _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, p_scale, DOT_F32, CAUSAL, SW,
-                        ALIBI, P_SCALED)
+                        ALIBI, P_SCALED, MASK)
 
 
 @triton.jit
 def _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, p_scale, DOT_F32: tl.constexpr,
-                 CAUSAL: tl.constexpr, SW: tl.constexpr, ALIBI: tl.constexpr, P_SCALED: tl.constexpr):
+                 CAUSAL: tl.constexpr, SW: tl.constexpr, ALIBI: tl.constexpr, P_SCALED: tl.constexpr,
+                 MASK: tl.constexpr):
     """The scores of a loaded tile (K^T kt, V v of keys kp, valid in key_ok; times `scale`, plus ALiBi), the
-    mask, and the online-softmax update of (m_i, l_i, acc)."""
+    mask, and the online-softmax update of (m_i, l_i, acc). MASK 2: rows, keys, causal and window (`_visible`);
+    1: keys only, for tiles whose valid keys every row may see (rows outside row_ok are never stored); 0: none."""
     s = _scores(q, kt, DOT_F32) * scale
     if ALIBI:
         s += slope[:, None] * (kp - qp[:, None]).to(tl.float32)
-    vis = _visible(qp, kp, key_ok, row_ok, CAUSAL, SW)
-    return _softmax_step(s, vis, v, m_i, l_i, acc, p_scale, DOT_F32, P_SCALED)
+    if MASK == 2:
+        vis = _visible(qp, kp, key_ok, row_ok, CAUSAL, SW)
+    else:
+        vis = key_ok[None, :]
+    return _softmax_step(s, vis, v, m_i, l_i, acc, p_scale, DOT_F32, P_SCALED, MASK != 0)
+
+
+@triton.jit
+def _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, p_scale,
+                table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr, vc_ptr, kvh, d,
+                kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2,
+                D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
+                BLOCK_N: tl.constexpr, TABLE_PTR: tl.constexpr, KV_FP8: tl.constexpr, KV_SW: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, SW: tl.constexpr,
+                ALIBI: tl.constexpr, P_SCALED: tl.constexpr, K_GROUPS: tl.constexpr, PREFETCH: tl.constexpr,
+                MASK: tl.constexpr):
+    """The online softmax over cached-key tiles [t_lo, t_hi) (keys below s_hi). PREFETCH: the next tile's K/V
+    are loaded into registers before the current tile is used, its block ids one tile earlier still (run with
+    one pipeline stage: Triton's own pipelining issues a tile's copies after the previous tile is used, and
+    their addresses wait on the table). MASK as in `_tile_update`."""
+    n = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        kp = t_lo * BLOCK_N + n
+        blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
+                                 TABLE_PTR)
+        k_raw, v_raw = _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, t_lo < t_hi, kc_s0, kc_s1,
+                                    kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, K_GROUPS)
+        kp = kp + BLOCK_N
+        blk1, ok1 = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
+                               TABLE_PTR)
+        for it in range(t_lo, t_hi):
+            kp = it * BLOCK_N + n
+            kp2 = kp + 2 * BLOCK_N
+            blk2, ok2 = _block_ids(table_ptr, t_row, kp2 // BS, kp2 < s_hi, t_s1, W, num_blocks, cache_base,
+                                   page_bytes, TABLE_PTR)
+            k_raw1, v_raw1 = _cache_loads(kc_ptr, vc_ptr, kp + BLOCK_N, ok1, blk1, kvh, d, num_blocks, it + 1 < t_hi,
+                                          kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
+                                          K_GROUPS)
+            kt, v = _cache_values(k_raw, v_raw, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, K_GROUPS)
+            m_i, l_i, acc = _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, p_scale,
+                                         DOT_F32, CAUSAL, SW, ALIBI, P_SCALED, MASK)
+            k_raw, v_raw, key_ok = k_raw1, v_raw1, ok1
+            blk1, ok1 = blk2, ok2
+    else:
+        for it in range(t_lo, t_hi):
+            kp = it * BLOCK_N + n
+            m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < s_hi, scale, slope, p_scale,
+                                        table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr,
+                                        vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X,
+                                        K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW, ALIBI,
+                                        P_SCALED, K_GROUPS, MASK)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _dense_step(q, m_i, l_i, acc, j, j_hi, m, row_ok, q0, kvh, d, scale, slope, k_ptr, v_ptr, k_s0, k_s1, k_s2,
+                v_s0, v_s1, v_s2, D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_F32: tl.constexpr,
+                CAUSAL: tl.constexpr, SW: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr):
+    """One tile of dense new keys j (token q0 + j, valid below j_hi and from token 0) for rows m. Dense key j
+    and row m compare by index (positions ctx + j and ctx + m: no int64). MASK 0: every key of the tile is
+    valid and visible to every row (nothing is masked, not even the loads)."""
+    if MASK == 0:
+        key_ok = j >= 0
+        k_mask = (d < D)[:, None]
+        v_mask = (d < D)[None, :]
+    else:
+        key_ok = (j < j_hi) & (q0 + j >= 0)
+        k_mask = (d < D)[:, None] & key_ok[None, :]
+        v_mask = key_ok[:, None] & (d < D)[None, :]
+    kt = tl.load(k_ptr + ((q0 + j) * k_s0 + kvh * k_s1)[None, :] + d[:, None] * k_s2, mask=k_mask,
+                 other=0).to(DOT_DTYPE)
+    v = tl.load(v_ptr + ((q0 + j) * v_s0 + kvh * v_s1)[:, None] + d[None, :] * v_s2, mask=v_mask,
+                other=0).to(DOT_DTYPE)
+    return _tile_update(q, kt, v, m_i, l_i, acc, m, row_ok, j, key_ok, scale, slope, 1.0, DOT_F32, CAUSAL, SW, ALIBI,
+                        False, MASK)
 
 
 # --- prefill -------------------------------------------------------------------------------------------
@@ -309,23 +387,27 @@ def prefill_kernel(
     SW: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
     KV_CACHE: tl.constexpr, MIN_QLEN: tl.constexpr, TABLE_PTR: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr,
-    O_SW: tl.constexpr,
+    O_SW: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
-    # program (t, g, r): the q tiles of one request and head group are adjacent in launch order, so
+    # program (t, g, i): the q tiles of one request and head group are adjacent in launch order, so
     # they run together and read that group's K/V tiles from L2 rather than each from memory
     tile = tl.program_id(0)
     PARTS: tl.constexpr = (GROUP + HEADS - 1) // HEADS
     kvh = tl.program_id(1) // PARTS
     hg = (tl.program_id(1) % PARTS) * HEADS
-    r = tl.program_id(2).to(tl.int64)
+    # the last request first: a serving batch puts its decodes (which this kernel skips) before its prefills,
+    # so the programs with work launch first and the ones that exit at once fill in behind them
+    r = (tl.num_programs(2) - 1 - tl.program_id(2)).to(tl.int64)
 
     q0 = tl.load(qsl_ptr + r).to(tl.int64)
     qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
     seq = tl.load(seq_ptr + r * seq_s).to(tl.int64)
     ctx = seq - qlen
     qlen = tl.where(qlen >= MIN_QLEN, qlen, 0)          # requests this call does not process: no rows
+    if tile * BLOCK_Q >= tl.minimum(qlen, max_input_len):
+        return                                          # no row of this program is in the request
     t_row = r * t_s0
 
     i = tl.arange(0, BLOCK_M)
@@ -370,13 +452,14 @@ def prefill_kernel(
     # compiler as a multiple of BLOCK_N, so a block's run of keys is contiguous (vector loads)
     hi = hi.to(tl.int32)                                 # positions < W * BS <= INT32_MAX (validated)
     lo = tl.minimum(lo, hi).to(tl.int32)
-    for it in range(lo // BLOCK_N, tl.cdiv(hi, BLOCK_N)):
-        kp = it * BLOCK_N + n
-        m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < hi, cache_scale, slope, v_scale,
-                                    table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr, vc_ptr,
-                                    kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                                    TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW, ALIBI, KV_FP8 != 0,
-                                    False)
+    # without a window, a cached key below ctx is visible to every row (all rows sit at ctx or later): the
+    # tiles need only the keys' own validity (KV_CACHE: the cache holds the new keys too, causal applies)
+    CACHE_MASK: tl.constexpr = 2 if KV_CACHE or SW > 0 else 1
+    m_i, l_i, acc = _cache_loop(q, m_i, l_i, acc, qp, row_ok, lo // BLOCK_N, tl.cdiv(hi, BLOCK_N), hi, cache_scale,
+                                slope, v_scale, table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr,
+                                vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
+                                BLOCK_N, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW, ALIBI, KV_FP8 != 0,
+                                False, PREFETCH, CACHE_MASK)
 
     if not KV_CACHE:
         # dense new keys j (position ctx + j, token q0 + j); rows outside [0, T) are masked
@@ -388,19 +471,22 @@ def prefill_kernel(
             j_lo = tl.maximum(j_lo, m_first - SW + 1)
         j_hi = tl.where(any_row, j_hi, 0).to(tl.int32)     # j < T
         j_lo = tl.minimum(j_lo, j_hi).to(tl.int32)
-        for it in range(j_lo // BLOCK_N, tl.cdiv(j_hi, BLOCK_N)):
-            j = it * BLOCK_N + n
-            key_ok = (j < j_hi) & (q0 + j >= 0)
-            kt = tl.load(k_ptr + ((q0 + j) * k_s0 + kvh * k_s1)[None, :] + d[:, None] * k_s2,
-                         mask=(d < D)[:, None] & key_ok[None, :], other=0).to(DOT_DTYPE)
-            v = tl.load(v_ptr + ((q0 + j) * v_s0 + kvh * v_s1)[:, None] + d[None, :] * v_s2,
-                        mask=key_ok[:, None] & (d < D)[None, :], other=0).to(DOT_DTYPE)
-            # dense key j has position ctx + j and row m position ctx + m: compare j with m (no int64)
-            s = _scores(q, kt, DOT_F32) * scale
-            if ALIBI:
-                s += slope[:, None] * (j[None, :] - m[:, None]).to(tl.float32)
-            vis = _visible(m, j, key_ok, row_ok, CAUSAL, SW)
-            m_i, l_i, acc = _softmax_step(s, vis, v, m_i, l_i, acc, 1.0, DOT_F32, False)
+        # whole tiles of keys every row sees (below the first row when causal; no window; from key 0) take no
+        # mask; the rest (the diagonal, the tail) the full one
+        full_end = j_lo // BLOCK_N
+        if SW == 0:
+            j_all = j_hi
+            if CAUSAL:
+                j_all = tl.minimum(j_all, m_first)
+            full_end = tl.where(j_lo == 0, j_all // BLOCK_N, full_end)
+        for it in range(j_lo // BLOCK_N, full_end):
+            m_i, l_i, acc = _dense_step(q, m_i, l_i, acc, it * BLOCK_N + n, j_hi, m, row_ok, q0, kvh, d, scale, slope,
+                                        k_ptr, v_ptr, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, D, DOT_DTYPE, DOT_F32,
+                                        CAUSAL, SW, ALIBI, 0)
+        for it in range(full_end, tl.cdiv(j_hi, BLOCK_N)):
+            m_i, l_i, acc = _dense_step(q, m_i, l_i, acc, it * BLOCK_N + n, j_hi, m, row_ok, q0, kvh, d, scale, slope,
+                                        k_ptr, v_ptr, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, D, DOT_DTYPE, DOT_F32,
+                                        CAUSAL, SW, ALIBI, 2)
 
     _store_out(o_ptr, tok * o_s0, h, d, row_ok, acc, l_i, o_scale_ptr, o_s1, o_s2, D, O_KIND, O_FP8, O_SW)
 
@@ -477,37 +563,10 @@ def decode_kernel(
     t_lo = first + split * per_split
     t_hi = tl.minimum(t_lo + per_split, first + tiles)
     s_hi = tl.minimum(t_hi * BLOCK_N, hi)
-    n = tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        kp = t_lo * BLOCK_N + n
-        blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
-                                 TABLE_PTR)
-        k_raw, v_raw = _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, t_lo < t_hi, kc_s0, kc_s1,
-                                    kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, K_GROUPS)
-        kp = kp + BLOCK_N
-        blk1, ok1 = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
-                               TABLE_PTR)
-        for it in range(t_lo, t_hi):
-            kp = it * BLOCK_N + n
-            kp2 = kp + 2 * BLOCK_N
-            blk2, ok2 = _block_ids(table_ptr, t_row, kp2 // BS, kp2 < s_hi, t_s1, W, num_blocks, cache_base,
-                                   page_bytes, TABLE_PTR)
-            k_raw1, v_raw1 = _cache_loads(kc_ptr, vc_ptr, kp + BLOCK_N, ok1, blk1, kvh, d, num_blocks, it + 1 < t_hi,
-                                          kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                                          K_GROUPS)
-            kt, v = _cache_values(k_raw, v_raw, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, K_GROUPS)
-            m_i, l_i, acc = _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, 1.0, DOT_F32,
-                                         False, SW, ALIBI, False)
-            k_raw, v_raw, key_ok = k_raw1, v_raw1, ok1
-            blk1, ok1 = blk2, ok2
-    else:
-        for it in range(t_lo, t_hi):
-            kp = it * BLOCK_N + n
-            m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < s_hi, scale, slope, 1.0,
-                                        table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr,
-                                        vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X,
-                                        K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, False, SW, ALIBI,
-                                        False, K_GROUPS)
+    m_i, l_i, acc = _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, 1.0, table_ptr, t_row,
+                                t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr, vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2,
+                                kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, BLOCK_N, TABLE_PTR, KV_FP8, KV_SW,
+                                DOT_DTYPE, DOT_F32, False, SW, ALIBI, False, K_GROUPS, PREFETCH, 2)
     if KV_FP8 != 0:   # every V of this sum has the one scale
         acc = acc * tl.load(v_scale_ptr)
 
@@ -698,7 +757,8 @@ def prefill_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles
                 V_RUN=geo.v_run(tiles["BLOCK_N"]), GROUP=geo.group, HEADS=tiles["HEADS"], BLOCK_Q=tiles["BLOCK_Q"], BLOCK_N=tiles["BLOCK_N"],
                 SW=feats.sliding_window, CAUSAL=feats.causal, ALIBI=feats.alibi, SINKS=feats.sinks,
                 KV_CACHE=feats.kv_cache, MIN_QLEN=min_qlen, TABLE_PTR=feats.table_ptr,
-                **numeric_constexprs(numerics), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+                **numeric_constexprs(numerics), PREFETCH=tiles.get("prefetch", False), num_warps=tiles["num_warps"],
+                num_stages=tiles["num_stages"])
 
 
 def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles: dict, splits: int) -> dict:

@@ -90,7 +90,7 @@ def _step(q, m_i, l_i, acc, idx_row, i_s2, pos, n_sel, num_rows, src_ptr, page_s
         s = tl.dot(q, tl.trans(kv), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(kv))
-    return _softmax_step(s * scale, ok[None, :], kv, m_i, l_i, acc, 1.0, DOT_F32, False)
+    return _softmax_step(s * scale, ok[None, :], kv, m_i, l_i, acc, 1.0, DOT_F32, False, True)
 
 
 @triton.jit
