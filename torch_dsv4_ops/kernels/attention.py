@@ -160,27 +160,31 @@ def _scores(q, kt, DOT_F32: tl.constexpr):
 def _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
                 kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2,
                 D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
-                KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr, K_GROUPS: tl.constexpr):
+                KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr, K_GROUPS: tl.constexpr,
+                WHOLE: tl.constexpr):
     """K^T [BLOCK_D, N] and V [N, BLOCK_D] of keys kp (in blocks blk) from head-major caches; keys
     not in key_ok are zeros. V_RUN > 0: the tile's keys are runs of V_RUN consecutive
-    offsets of one block each, starting at multiples of V_RUN elements (vector loads of V)."""
+    offsets of one block each, starting at multiples of V_RUN elements (vector loads of V). WHOLE: key_ok
+    is the blocks' validity alone (every key of the tile inside the range), so it is uniform over each run
+    and V's load zero-fills the invalid keys itself (no pass over V in registers)."""
     k_raw, v = _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, True, kc_s0, kc_s1, kc_s2, kc_s3,
-                            vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, K_GROUPS)
-    return _cache_values(k_raw, v, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, K_GROUPS)
+                            vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, K_GROUPS, WHOLE)
+    return _cache_values(k_raw, v, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, K_GROUPS, not WHOLE)
 
 
 @triton.jit
 def _cache_values(k_raw, v, key_ok, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  K_STD: tl.constexpr, K_GROUPS: tl.constexpr):
-    """K^T [BLOCK_D, N] and V [N, BLOCK_D] in the dot dtype from `_cache_loads`' raw tiles (V rows of keys
-    not in key_ok zeroed)."""
+                  K_STD: tl.constexpr, K_GROUPS: tl.constexpr, ZERO_V: tl.constexpr):
+    """K^T [BLOCK_D, N] and V [N, BLOCK_D] in the dot dtype from `_cache_loads`' raw tiles (ZERO_V: V rows of
+    keys not in key_ok zeroed here)."""
     if K_STD and K_GROUPS:
         BLOCK_N: tl.constexpr = k_raw.shape[1]
         kt = tl.reshape(tl.permute(k_raw, (0, 2, 1)), (k_raw.shape[0] * k_raw.shape[2], BLOCK_N))
     else:
         kt = k_raw
-    if tl.min(key_ok.to(tl.int32), 0) == 0:   # a tile with an invalid key (the last one, as a rule)
-        v = tl.where(key_ok[:, None], v, 0)
+    if ZERO_V:
+        if tl.min(key_ok.to(tl.int32), 0) == 0:   # a tile with an invalid key (the last one, as a rule)
+            v = tl.where(key_ok[:, None], v, 0)
     kt = _codes(kt, KV_FP8, KV_SW, DOT_DTYPE)
     v = _codes(v, KV_FP8, KV_SW, DOT_DTYPE)
     return kt, v
@@ -190,9 +194,10 @@ def _cache_values(k_raw, v, key_ok, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, D
 def _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, tile_live,
                  kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2,
                  D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
-                 K_GROUPS: tl.constexpr):
+                 K_GROUPS: tl.constexpr, V_KEYS: tl.constexpr):
     """The loads of `_cache_tile`, as loaded: K as [d group, key, x] (K_STD and K_GROUPS) or [BLOCK_D, N], V as
-    [N, BLOCK_D]. Nothing is read where tile_live (a scalar) is false."""
+    [N, BLOCK_D]. Nothing is read where tile_live (a scalar) is false. V_KEYS: V is masked by key_ok too
+    (zeros for invalid keys; key_ok must be uniform over each V_RUN run for vector loads)."""
     off = (kp % BS).to(tl.int32)
     d_ok = d < D
     if K_STD and K_GROUPS:
@@ -219,7 +224,11 @@ def _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, tile_live,
     v_d_ok = d < tl.where((num_blocks > 0) & tile_live, D, 0)
     if V_RUN > 0:   # the block id comes from a load, so the compiler cannot see these runs itself
         v_row = tl.max_contiguous(tl.multiple_of(v_row, V_RUN), V_RUN)
-    v = tl.load(vc_ptr + v_row[:, None] + d[None, :] * vc_s2, mask=v_d_ok[None, :], other=0)
+    if V_KEYS:
+        v_ok = key_ok[:, None] & v_d_ok[None, :]
+    else:
+        v_ok = v_d_ok[None, :]
+    v = tl.load(vc_ptr + v_row[:, None] + d[None, :] * vc_s2, mask=v_ok, other=0)
     return kt, v
 
 
@@ -276,13 +285,14 @@ def _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, in_range, scale, slope, p_scal
                 D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
                 TABLE_PTR: tl.constexpr, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr,
                 DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, SW: tl.constexpr, ALIBI: tl.constexpr,
-                P_SCALED: tl.constexpr, K_GROUPS: tl.constexpr, MASK: tl.constexpr):
-    """One tile of cached keys kp (those in_range): their blocks, K and V, the scores (times `scale`, plus
-    ALiBi), the mask (MASK as in `_tile_update`), and the online-softmax update of (m_i, l_i, acc)."""
+                P_SCALED: tl.constexpr, K_GROUPS: tl.constexpr, MASK: tl.constexpr, WHOLE: tl.constexpr):
+    """One tile of cached keys kp (those in_range; WHOLE: in_range is a true scalar, see `_cache_tile`): their
+    blocks, K and V, the scores (times `scale`, plus ALiBi), the mask (MASK as in `_tile_update`), and the
+    online-softmax update of (m_i, l_i, acc)."""
     blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, in_range, t_s1, W, num_blocks, cache_base, page_bytes,
                              TABLE_PTR)
     kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0,
-                        vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, KV_FP8, KV_SW, DOT_DTYPE, K_GROUPS)
+                        vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, KV_FP8, KV_SW, DOT_DTYPE, K_GROUPS, WHOLE)
     return _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, p_scale, DOT_F32, CAUSAL, SW,
                         ALIBI, P_SCALED, MASK)
 
@@ -323,7 +333,7 @@ def _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, p_
         blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
                                  TABLE_PTR)
         k_raw, v_raw = _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, t_lo < t_hi, kc_s0, kc_s1,
-                                    kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, K_GROUPS)
+                                    kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, K_GROUPS, False)
         kp = kp + BLOCK_N
         blk1, ok1 = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
                                TABLE_PTR)
@@ -334,20 +344,28 @@ def _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, p_
                                    page_bytes, TABLE_PTR)
             k_raw1, v_raw1 = _cache_loads(kc_ptr, vc_ptr, kp + BLOCK_N, ok1, blk1, kvh, d, num_blocks, it + 1 < t_hi,
                                           kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                                          K_GROUPS)
-            kt, v = _cache_values(k_raw, v_raw, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, K_GROUPS)
+                                          K_GROUPS, False)
+            kt, v = _cache_values(k_raw, v_raw, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, K_GROUPS, True)
             m_i, l_i, acc = _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, p_scale,
                                          DOT_F32, CAUSAL, SW, ALIBI, P_SCALED, MASK)
             k_raw, v_raw, key_ok = k_raw1, v_raw1, ok1
             blk1, ok1 = blk2, ok2
     else:
-        for it in range(t_lo, t_hi):
+        # tiles whose keys all lie below s_hi, then the last one (the only one with keys past the range)
+        whole_hi = tl.minimum(tl.maximum(s_hi // BLOCK_N, t_lo), t_hi)
+        for it in range(t_lo, whole_hi):
+            m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, it * BLOCK_N + n, it >= 0, scale, slope,
+                                        p_scale, table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes,
+                                        kc_ptr, vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS,
+                                        X, K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW,
+                                        ALIBI, P_SCALED, K_GROUPS, MASK, True)
+        for it in range(whole_hi, t_hi):
             kp = it * BLOCK_N + n
             m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < s_hi, scale, slope, p_scale,
                                         table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr,
                                         vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X,
                                         K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW, ALIBI,
-                                        P_SCALED, K_GROUPS, MASK)
+                                        P_SCALED, K_GROUPS, MASK, False)
     return m_i, l_i, acc
 
 
