@@ -639,6 +639,12 @@ FEATURES = {
     "int64-table": BASE.replace(table_dtype=torch.int64, bad=((1, 1, INT64_MIN),), seed=28),
     "ptr-table": BASE.replace(ptr=True, bad=((1, 0, "zero"), (1, 2, "neg")), seed=29),
     "ptr-table-padded-pages": BASE.replace(ptr=True, padded=True, dense=False, seed=30),
+    # invalid blocks in tiles that lie wholly inside the context (the kernels' whole-tile loops, whose V loads
+    # zero-fill by block validity): contexts of several 64-key tiles on every backend, float and fp8 caches
+    "invalid-blocks-whole-tiles": BASE.replace(q_lens=(1, 4, 1), seq_lens=(200, 230, 150),
+                                               bad=((0, 2, -1), (1, 3, -5), (2, 5, 10**6)), seed=52),
+    "invalid-blocks-whole-tiles-fp8": BASE.replace(q_lens=(1, 4, 1), seq_lens=(200, 230, 150),
+                                                   bad=((0, 2, -1), (1, 3, -5), (2, 5, 10**6)), **FP8, seed=68),
     # fp8 KV caches (k_scale != v_scale != 1), uint8 and typed
     "fp8-e4m3-uint8": BASE.replace(**FP8, seed=31),
     "fp8-e4m3-typed": BASE.replace(kv="fp8_e4m3", cache_dtype=torch.float8_e4m3fn, seed=32),
@@ -691,6 +697,8 @@ def test_features(device, impl, name):
         for cache in (case.k_cache[ids, :, :, offs, :], case.v_cache[ids, :, :, offs]):
             raw = cache.contiguous().view(torch.uint8)
             assert nonzero_share(raw) > 0.5 and not torch.isin(raw, nan).any()
+    if name.startswith("invalid-blocks"):   # the kernels read an invalid block's keys from page 0: here a NaN page,
+        assert 0 not in {sl // case.spec.bs for sl in case.written_slots}   # so a V row left unzeroed shows
     for op in ("ctx", "chunked"):
         run_and_check(case, op, impl, what=f"{name} {op}")
 

@@ -696,8 +696,9 @@ def prefill_tiles(geo: Geometry, q_dtype, target: platform.Target) -> dict:
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif geo.block_d > 128 or q_dtype == torch.float32:
         block_m, block_n, warps, stages = 64, 32, 4, 2
-    else:   # benchmarks/sweep_attention.py --prefill-only (H100): the mixed step 772 us, against 892 at 64 x 8 warps
-        block_m, block_n, warps, stages = 128, 32, 4, 2
+    else:   # benchmarks/sweep_attention.py --prefill-only (H100, 2026-11-26): 4 x 512 on 2048 cached 349 us, against
+        # 374 us at 128 x 32 (4 warps), 424 at 128 x 128 (8 warps), 477 at 128 x 64 (8 warps)
+        block_m, block_n, warps, stages = 128, 64, 4, 2
     heads = _pow2_at_most(geo.group, block_m)
     return dict(HEADS=heads, BLOCK_Q=block_m // heads, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
