@@ -640,11 +640,12 @@ FEATURES = {
     "ptr-table": BASE.replace(ptr=True, bad=((1, 0, "zero"), (1, 2, "neg")), seed=29),
     "ptr-table-padded-pages": BASE.replace(ptr=True, padded=True, dense=False, seed=30),
     # invalid blocks in tiles that lie wholly inside the context (the kernels' whole-tile loops, whose V loads
-    # zero-fill by block validity): contexts of several 64-key tiles on every backend, float and fp8 caches
-    "invalid-blocks-whole-tiles": BASE.replace(q_lens=(1, 4, 1), seq_lens=(200, 230, 150),
-                                               bad=((0, 2, -1), (1, 3, -5), (2, 5, 10**6)), seed=52),
-    "invalid-blocks-whole-tiles-fp8": BASE.replace(q_lens=(1, 4, 1), seq_lens=(200, 230, 150),
-                                                   bad=((0, 2, -1), (1, 3, -5), (2, 5, 10**6)), **FP8, seed=68),
+    # zero-fill by block validity): each bad column sits in a whole tile at every backend's tile width (GPU
+    # prefill 64 keys, fp8 decode 32, interpreter 16), float and fp8 caches
+    "invalid-blocks-whole-tiles": BASE.replace(q_lens=(1, 4, 1), seq_lens=(80, 90, 70),
+                                               bad=((0, 1, -1), (1, 2, -5), (2, 3, 10**6)), seed=53),
+    "invalid-blocks-whole-tiles-fp8": BASE.replace(q_lens=(1, 4, 1), seq_lens=(80, 90, 70),
+                                                   bad=((0, 1, -1), (1, 2, -5), (2, 3, 10**6)), **FP8, seed=55),
     # fp8 KV caches (k_scale != v_scale != 1), uint8 and typed
     "fp8-e4m3-uint8": BASE.replace(**FP8, seed=31),
     "fp8-e4m3-typed": BASE.replace(kv="fp8_e4m3", cache_dtype=torch.float8_e4m3fn, seed=32),
