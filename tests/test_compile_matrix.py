@@ -4,9 +4,9 @@ compiles the fp8 path (hardware casts or the software codec) that `platform.nati
 
 The matrix runs once, in a subprocess without TRITON_INTERPRET (conftest sets it for this process),
 through the CLI `python -m torch_dsv4_ops.compile_matrix --scope ci --json`; the tests read its JSON. The CI
-scope compiles, on every target, every flash-cache case plus one case of every other kernel
-(`compile_matrix.scoped_cases`); `make compile-matrix`
-compiles every case on all nine.
+scope compiles, on every target, a subset of the flash-cache cases that has every feature these tests check
+(`compile_matrix.covering_cases`) plus one case of every other kernel (`compile_matrix.scoped_cases`);
+`make compile-matrix` compiles every case on all nine.
 """
 import pathlib
 import re
@@ -133,7 +133,7 @@ def test_every_case_compiles_on_every_target(matrix):
     assert matrix["returncode"] == 0, matrix["stdout"][-3000:]
     for target, results in by_target.items():
         names = [r["name"] for r in results]
-        assert len(names) == len(set(names)) >= 60, target
+        assert len(names) == len(set(names)) >= 50, target
         # >2 GiB caches lose AMD's buffer-op specialisation: a distinct kernel on HIP only
         assert any(n.endswith(".bigcache") for n in names) == (_backend(target) == "hip"), target
 

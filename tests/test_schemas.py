@@ -224,17 +224,25 @@ def test_header_functions_call_the_registered_ops(tmp_path):
         cpp_extension.verify_ninja_availability()
     except RuntimeError:
         pytest.skip("ninja not found: cannot build a C++ caller")
-    source = f'#include "{stubs.STUB_DIR / stubs.HEADER}"\n' + """
+    # a plain shared library registering its callers as ops (no pybind11 module: torch/extension.h, which
+    # load_inline includes, took most of this test's 112 s)
+    source = tmp_path / "stub_callers.cpp"
+    source.write_text(f'#include "{stubs.STUB_DIR / stubs.HEADER}"\n' + """#include <torch/library.h>
+
 void stub_flash(at::Tensor key, at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor scale) {
   dsv4::reshape_and_cache_flash(key, key, kc, vc, slots, "fp8", scale, scale);
 }
 void stub_diffkv(at::Tensor key, at::Tensor value, at::Tensor kv, at::Tensor slots, at::Tensor scale) {
   dsv4::reshape_and_cache_flash_diffkv(key, value, kv, slots, "auto", scale, scale);
 }
-"""
-    module = cpp_extension.load_inline("dsv4_stub_callers", cpp_sources=[source],
-                                       functions=["stub_flash", "stub_diffkv"], build_directory=str(tmp_path),
-                                       extra_cflags=["-O0"])
+TORCH_LIBRARY(dsv4_stub_callers, m) {
+  m.def("stub_flash", stub_flash);
+  m.def("stub_diffkv", stub_diffkv);
+}
+""")
+    cpp_extension.load("dsv4_stub_callers", [str(source)], build_directory=str(tmp_path), extra_cflags=["-O0"],
+                       is_python_module=False)
+    module = torch.ops.dsv4_stub_callers
     key = (torch.randn(4, 2, 16) * 3).to(torch.bfloat16)
     slots, scale = torch.tensor([3, -1, 9, 12]), torch.tensor([0.05])
     kc, vc = torch.zeros(2, 8, 2, 16, dtype=torch.uint8), torch.zeros(2, 8, 2, 16, dtype=torch.uint8)

@@ -11,8 +11,10 @@ pool; the fp8 conversion instructions of each result are recorded, so tests can 
 hardware fp8 casts alone for each format and target, to check `platform.native_fp8` against Triton.
 
 `--scope ci` (what the CPU suite runs, within CI's time budget) compiles every case on the targets of
-`CI_FULL_TARGETS` (none at present) and, on the other targets, every case of `CI_FULL_MODULES` plus the first
-case of every other kernel function; `--scope full` (the default, `make compile-matrix`) compiles every case on every target.
+`CI_FULL_TARGETS` (none at present) and, on the other targets, a covering subset of each `CI_COVER_MODULES`
+module's cases (every codec, dtype, layout and size feature the flash-cache tests check per target, and every
+case they name) plus the first case of every other kernel function; `--scope full` (the default, `make
+compile-matrix`) compiles every case on every target.
 
 Triton must not run in interpreter mode here: the CLI re-executes itself without TRITON_INTERPRET.
 Exit status 1 if any case fails, or a format that `platform.native_fp8` calls native fails the probe.
@@ -53,13 +55,17 @@ MATRIX_MODULES = (
     "torch_dsv4_ops.kernels.topk",
 )
 
-# --scope ci: every case on these targets, and on every target every flash-cache case (whose codecs the tests
-# check per target) and one case of every other kernel function; within CI's 15 minutes on 2 cores. The list
-# is empty since 2026-11-26: the full sets of sm_80, sm_90 and gfx942 were three quarters of the CI matrix
-# (1913 of 2554 compile-seconds) when CI took 1796 s. The full matrix (`make compile-matrix`, or `--filter
-# REGEX` for the changed kernels) runs before a kernel change lands (CONTRIBUTING.md).
+# --scope ci: every case on these targets; on every target, a covering subset of the flash-cache cases (whose
+# codecs, dtypes and layouts the tests check per target) and one case of every other kernel function; within CI's
+# 15 minutes on 2 cores. The list is empty since 2026-11-26: the full sets of sm_80, sm_90 and gfx942 were three
+# quarters of the CI matrix (1913 of 2554 compile-seconds) when CI took 1796 s. The full matrix (`make
+# compile-matrix`, or `--filter REGEX` for the changed kernels) runs before a kernel change lands
+# (CONTRIBUTING.md).
 CI_FULL_TARGETS: tuple[str, ...] = ()
-CI_FULL_MODULES = ("torch_dsv4_ops.kernels.cache",)
+CI_COVER_MODULES = ("torch_dsv4_ops.kernels.cache",)
+# Cases tests/test_compile_matrix.py reads by name: always in the CI scope.
+CI_NAMED_CASES = ("flash_nhd.bf16-fp8:u8.h8d128.bs16", "flash_nhd.bf16-fp8_e5m2:u8.h8d128.bs16",
+                  "flash_nhd.e4m3fn-auto:fp32.h8d128.bs16")
 SCOPES = ("full", "ci")
 
 _FP8_INSTRUCTION = {
@@ -182,11 +188,38 @@ def probe_fp8(target: str, fmt_code: int, encode: bool) -> dict:
 
 # --- runner ------------------------------------------------------------------------------------
 
+def cache_case_features(name: str, case: KernelCase) -> set:
+    """What the flash-cache tests check per target, as features of one case: its codec, key and cache dtypes,
+    slot dtype and stride kind, K layout (x), diffkv, odd heads/dims, block size 544, HIP's >2 GiB variant
+    and its kernel function."""
+    c, s = case.constexprs, case.signature
+    return {("codec", c["IN_FP8"], c["OUT_KIND"], c["OUT_FP8"], c["SCALED"]), ("key", s["key_ptr"]),
+            ("kc", s["kc_ptr"]), ("slot", s["slot_ptr"]), ("slot_stride", s["slot_stride"]), ("xk", c["XK"]),
+            ("diffkv", c["DK"] != c["DV"]), ("odd", c.get("H") == 13 and c["DK"] == 80), ("bs544", c["BS"] == 544),
+            ("bigcache", name.endswith(".bigcache")), ("fn", case.fn.__name__)}
+
+
+def covering_cases(cases: dict) -> list[str]:
+    """The names in CI_NAMED_CASES, then cases chosen greedily (the most features not yet covered, first in
+    order on ties) until the subset has every feature (`cache_case_features`) of the whole set."""
+    features = {name: cache_case_features(name, case) for name, case in cases.items()}
+    chosen = [name for name in CI_NAMED_CASES if name in cases]
+    have = set().union(*(features[name] for name in chosen))
+    want = set().union(*features.values())
+    while have != want:
+        best = max(features, key=lambda name: len(features[name] - have))
+        chosen.append(best)
+        have |= features[best]
+    return chosen
+
+
 def scoped_cases(module: str, target: platform.Target, scope: str = "full") -> list[str]:
     """Names of the cases of `module` that `scope` compiles on `target` (see the module docstring)."""
     cases = module_cases(module, target)
-    if scope == "full" or target_name(target) in CI_FULL_TARGETS or module in CI_FULL_MODULES:
+    if scope == "full" or target_name(target) in CI_FULL_TARGETS:
         return list(cases)
+    if module in CI_COVER_MODULES:
+        return covering_cases(cases)
     first = {}
     for name, case in cases.items():
         first.setdefault(case.fn.__name__, name)
