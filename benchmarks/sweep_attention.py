@@ -5,8 +5,8 @@ Times the benchmark's decode and mixed-step cases (benchmarks/bench_attention.py
 setting of `kernels/attention.py` (patched in place of `decode_tiles` / `prefill_tiles`) and prints
 one line per (setting, case): median µs by do_bench and GB/s. The committed defaults come from it.
 --prefetch sweeps the decode kernel's register-prefetch loop (PREFETCH) instead of its tiles; --bf16-only
-leaves out the fp8-cache cases; SWEEP_PREFILL="128x64x8x2,64x32x4x1x1,..." picks the prefill tiles (BLOCK_M x
-BLOCK_N x warps x stages [x prefetch]) to time instead of 24 without prefetch.
+leaves out the fp8-cache cases; SWEEP_PREFILL="128x64x8x2,64x32x4x1,..." picks the prefill tiles (BLOCK_M x
+BLOCK_N x warps x stages) to time instead of all 24.
 """
 from __future__ import annotations
 
@@ -101,15 +101,13 @@ def main() -> int:
         print(f"mixed step, prefill and decode on two streams={concurrent}: {us:.1f} us", flush=True)
     ops.CONCURRENT.enabled = True
 
-    for block_m, block_n, warps, stages, prefetch in _prefill_configs():
-        def tiles(geo, q_dtype, target, block_m=block_m, block_n=block_n, warps=warps, stages=stages,
-                  prefetch=prefetch):
+    for block_m, block_n, warps, stages in _prefill_configs():
+        def tiles(geo, q_dtype, target, block_m=block_m, block_n=block_n, warps=warps, stages=stages):
             heads = min(triton_next_pow2(geo.group), block_m)
-            return dict(HEADS=heads, BLOCK_Q=block_m // heads, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-                        prefetch=bool(prefetch))
+            return dict(HEADS=heads, BLOCK_Q=block_m // heads, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
         kernels.prefill_tiles = tiles
         _reset()
-        label = f"prefill BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} stages={stages} prefetch={prefetch}"
+        label = f"prefill BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} stages={stages}"
         for s in (prefill_only, mixed):
             try:
                 us = _time(batches[s.name][1])
@@ -121,12 +119,12 @@ def main() -> int:
 
 
 def _prefill_configs():
-    """(BLOCK_M, BLOCK_N, warps, stages, prefetch) of the prefill sweep: SWEEP_PREFILL="128x64x8x2,64x32x4x1x1"
-    (prefetch 0 where not given), or 24 settings without prefetch."""
+    """(BLOCK_M, BLOCK_N, warps, stages) of the prefill sweep: SWEEP_PREFILL="128x64x8x2,64x32x4x1", or 24
+    settings."""
     env = os.environ.get("SWEEP_PREFILL")
     if env:
-        return [(tuple(int(x) for x in c.split("x")) + (0,))[:5] for c in env.split(",")]
-    return [c + (0,) for c in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
+        return [tuple(int(x) for x in c.split("x")) for c in env.split(",")]
+    return list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
 
 
 def triton_next_pow2(n: int) -> int:

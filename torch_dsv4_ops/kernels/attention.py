@@ -405,7 +405,7 @@ def prefill_kernel(
     SW: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
     KV_CACHE: tl.constexpr, MIN_QLEN: tl.constexpr, TABLE_PTR: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr,
-    O_SW: tl.constexpr, PREFETCH: tl.constexpr,
+    O_SW: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
@@ -477,7 +477,7 @@ def prefill_kernel(
                                 slope, v_scale, table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr,
                                 vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
                                 BLOCK_N, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW, ALIBI, KV_FP8 != 0,
-                                False, PREFETCH, CACHE_MASK)
+                                False, False, CACHE_MASK)
 
     if not KV_CACHE:
         # dense new keys j (position ctx + j, token q0 + j); rows outside [0, T) are masked
@@ -776,8 +776,7 @@ def prefill_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles
                 V_RUN=geo.v_run(tiles["BLOCK_N"]), GROUP=geo.group, HEADS=tiles["HEADS"], BLOCK_Q=tiles["BLOCK_Q"], BLOCK_N=tiles["BLOCK_N"],
                 SW=feats.sliding_window, CAUSAL=feats.causal, ALIBI=feats.alibi, SINKS=feats.sinks,
                 KV_CACHE=feats.kv_cache, MIN_QLEN=min_qlen, TABLE_PTR=feats.table_ptr,
-                **numeric_constexprs(numerics), PREFETCH=tiles.get("prefetch", False), num_warps=tiles["num_warps"],
-                num_stages=tiles["num_stages"])
+                **numeric_constexprs(numerics), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
 
 def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles: dict, splits: int) -> dict:
