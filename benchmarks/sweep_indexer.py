@@ -3,7 +3,7 @@
     python -m benchmarks.sweep_indexer [paged] [prefill] [q] [topk]
 
 Each sweep patches the kernel module's tile constants (and the product path of the logits: fp8 MMA or decoded
-bf16), empties the op's plan cache so the next call plans again, and times the family benchmark's workload:
+bf16 / fp16), empties the op's plan cache so the next call plans again, and times the family benchmark's workload:
 paged logits B 64 x next_n 2 x 16384 entries and prefill logits 4096 x 8192 (do_bench), Q RoPE + quantisation
 T 65536 (do_bench), top-k decode 128 x 16384 (CUDA-graph replay) and prefill 4096 x 8192 causal (do_bench).
 Prints one line per configuration and a JSON line at the end. Needs a CUDA GPU.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 
 import torch
@@ -21,7 +22,8 @@ from torch_dsv4_ops.ops import indexer_q as q_ops, mqa_logits as logits_ops, top
 
 from . import bench_indexer_q, bench_mqa_logits, bench_topk, harness
 
-BF16 = lambda target, q_fmt, k_fmt: logits_kernels.DOT_BF16   # noqa: E731  (force the decoded bf16 path)
+F16 = lambda target, q_fmt, k_fmt, decoded=None: logits_kernels.DOT_F16     # noqa: E731  (force the fp16 path)
+BF16 = lambda target, q_fmt, k_fmt, decoded=None: logits_kernels.DOT_BF16   # noqa: E731  (force the bf16 path)
 
 
 def _time(w: harness.Workload) -> float:
@@ -38,23 +40,35 @@ def _try(label: str, fn):
         return None
 
 
+def _paged_configs() -> list:
+    """(mode, BLOCK_N, warps, stages, programs per SM, register cap or 0) of the paged sweep:
+    `SWEEP_PAGED="f16,64,4,2,4[,168];..."`, or
+    the product below (the fp16 path only: Hopper's fp8 MMA is too short an accumulator for SPEC's tolerance)."""
+    spec = os.environ.get("SWEEP_PAGED")
+    if spec:
+        fields = [c.split(",") for c in spec.split(";")]
+        return [(f[0], *map(int, f[1:5]), int(f[5]) if len(f) > 5 else 0) for f in fields]
+    return list(itertools.product(("f16",), (64, 128), (4, 8), (1, 2, 3), (2, 3, 4, 6, 8), (0,)))
+
+
 def sweep_paged(dev) -> list:
     read = harness.read_matmul_ceilings(dev)["read_ceiling"]["gbps"]
     spec = bench_mqa_logits.Spec("paged", batch=64, next_n=2, length=16384)
     w = bench_mqa_logits.build_paged(spec, dev)
     saved = (dict(logits_kernels.PAGED_TILE), logits_kernels.PAGED_PROGRAMS_PER_SM, logits_kernels.dot_mode)
     out = []
-    for mode, bn, warps, stages, pps in itertools.product(("fp8", "bf16"), (64, 128), (4, 8), (2, 3), (1, 2, 4)):
-        logits_kernels.dot_mode = BF16 if mode == "bf16" else saved[2]
-        logits_kernels.PAGED_TILE.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    for mode, bn, warps, stages, pps, maxnreg in _paged_configs():
+        logits_kernels.dot_mode = {"f16": F16, "bf16": BF16}.get(mode, saved[2])
+        logits_kernels.PAGED_TILE.update(BLOCK_N=bn, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
         logits_kernels.PAGED_PROGRAMS_PER_SM = pps
         logits_ops._PAGED_PLANS.clear()
-        us = _try(f"paged {mode} {bn} {warps} {stages} {pps}", lambda: _time(w))
+        us = _try(f"paged {mode} {bn} {warps} {stages} {pps} {maxnreg}", lambda: _time(w))
         if us is not None:
-            r = dict(mode=mode, bn=bn, warps=warps, stages=stages, pps=pps, us=us,
+            r = dict(mode=mode, bn=bn, warps=warps, stages=stages, pps=pps, maxnreg=maxnreg, us=us,
                      pct_read=100 * spec.bytes_per_call() / us / 1e3 / read)
             print("paged", r, flush=True)
             out.append(r)
+    logits_kernels.PAGED_TILE.clear()
     logits_kernels.PAGED_TILE.update(saved[0])
     logits_kernels.PAGED_PROGRAMS_PER_SM, logits_kernels.dot_mode = saved[1], saved[2]
     logits_ops._PAGED_PLANS.clear()
@@ -66,8 +80,9 @@ def sweep_prefill(dev) -> list:
     w = bench_mqa_logits.build_prefill(spec, dev)
     saved = (dict(logits_kernels.PREFILL_TILE), logits_kernels.dot_mode)
     out = []
-    for mode, bn, qh, warps, stages in itertools.product(("fp8", "bf16"), (64, 128), (128, 256), (4, 8), (2, 3)):
-        logits_kernels.dot_mode = BF16 if mode == "bf16" else saved[1]
+    for mode, bn, qh, warps, stages in itertools.product(("fp8", "bf16", "f16"), (64, 128), (128, 256), (4, 8),
+                                                         (2, 3)):
+        logits_kernels.dot_mode = {"f16": F16, "bf16": BF16}.get(mode, saved[1])
         logits_kernels.PREFILL_TILE.update(BLOCK_N=bn, QH=qh, num_warps=warps, num_stages=stages)
         logits_ops._PREFILL_PLANS.clear()
         us = _try(f"prefill {mode} {bn} {qh} {warps} {stages}", lambda: _time(w))

@@ -296,6 +296,10 @@ PAGED_CASES = {
     "n2-h8-bs16-1d-unpadded-3d": dict(batch=3, next_n=2, heads=8, kind="unpadded", lens_2d=False, ndim=3, seed=3),
     "n3-h4-bs5-fnuz-float8": dict(batch=2, next_n=3, heads=4, bs=5, nb=12, fnuz=True, q_dtype=F8Z, max_len=37, seed=4),
     "n2-h48-bs16-dirty": dict(batch=2, next_n=2, heads=48, clean=False, seed=5),
+    # two resident query groups (interpreter tiles: 32 rows of 32 heads each); on a GPU one group of 64 rows
+    "n2-h32-bs64-groups": dict(batch=2, next_n=2, heads=32, bs=64, nb=6, max_len=200, seed=6),
+    # interpreter: 4 groups x 2 head chunks, reloaded per tile; GPU: two resident groups of 2 queries x 64 heads
+    "n4-h64-bs64": dict(batch=2, next_n=4, heads=64, bs=64, nb=6, max_len=150, seed=7),
 }
 
 

@@ -9,17 +9,22 @@ group of GQ queries x HC heads:
 
 The heads are the MMA's N dimension, so the reduction over heads stays (mostly) inside each thread. The
 product runs on fp8 tensor cores where the target has them for the operands' format (`fp8_mma`), else on
-bf16 values decoded exactly by kernels/fp8.py (every e4m3 value is a bf16), and in fp32 ("ieee") under
-the interpreter, whose bf16/fp8 arithmetic is wrong (CONVENTIONS.md).
+16-bit values decoded exactly by kernels/fp8.py (every e4m3 / e4m3fnuz value is a bf16 and an fp16; the paged
+decode takes fp16, one hardware conversion per pair of codes where the target has fp8), and in fp32 ("ieee")
+under the interpreter, whose 16-bit/fp8 arithmetic is wrong (CONVENTIONS.md).
 
 * `mqa_logits_kernel`, grid (cdiv(M, BQ),): program p owns queries [BQ*blk, BQ*blk + BQ) with blk counted
   from the end (the longest causal ranges start first). Their Q (and weights) stay in registers/shared
   memory while the program walks the key tiles that intersect [min ks', max ke') of its queries; with
   `CLEAN` it also writes -inf over the tiles outside that union.
 * `paged_mqa_logits_kernel`, grid (B, splits): program (b, s) owns all next_n x H query rows of request b
-  and a contiguous run of TILES key tiles; keys past the request's longest row are never loaded, and a key
-  whose block-table lookup is invalid (SPEC §0: entry < 0 or >= num_blocks, column past the width) is never
-  loaded and scores -inf.
+  and a contiguous run of key tiles. Where BLOCK_N divides the block size (`PAGE_TILE`: the DSV4 cache's 64),
+  a tile is BLOCK_N contiguous rows of one page, found by one table entry, and the kernel pipelines in
+  registers: tile t+1's codes (four per int32) and scales load while tile t is scored, and tile t+2's table
+  entry one iteration earlier. Other block sizes look up each key's entry. Tiles past the request's longest
+  row are never loaded (the last one reads the rest of its page, and stores none of it), and a key whose
+  block-table lookup is invalid (SPEC §0: entry < 0 or >= num_blocks, column past the width) is never loaded
+  and scores -inf.
 
 Counts, strides, widths and max_model_len are runtime arguments; dims, head padding, tiles, block size,
 fp8 formats and flags are constexprs (SPEC §4 h).
@@ -34,23 +39,28 @@ from .. import layout, platform
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
 from .fp8 import fp8_decode
 
-DOT_FP8, DOT_BF16, DOT_F32 = 0, 1, 2     # constexpr DOT_MODE: fp8 MMA, decoded bf16 MMA, fp32 ieee (interpreter)
+# constexpr DOT_MODE: fp8 MMA, decoded fp16 MMA, fp32 ieee (interpreter), decoded bf16 MMA
+DOT_FP8, DOT_F16, DOT_F32, DOT_BF16 = 0, 1, 2, 3
 PREFILL_DIMS = (32, 64, 128)
 MIN_DOT = 16                             # the smallest M/N/K of a tl.dot
 
 # Tiles, swept on an H100 (benchmarks/NOTES.md "Indexer logits"). QH: query rows (queries x padded heads) of
 # one product.
 PREFILL_TILE = dict(BLOCK_N=128, QH=256, num_warps=4, num_stages=2)
-PAGED_TILE = dict(BLOCK_N=128, QH=128, num_warps=4, num_stages=2)
+# Paged: 64-key tiles (one page of the DSV4 indexer cache), pipelined in registers by the kernel itself (one stage).
+# An optional "maxnreg" caps the registers (the sweep's; 168 and 128 spilled and lost).
+PAGED_TILE = dict(BLOCK_N=64, QH=128, num_warps=4, num_stages=1)
 INTERPRETER_TILE = dict(BLOCK_N=16, QH=32, num_warps=4, num_stages=1)
-PAGED_PROGRAMS_PER_SM = 4                # decode grid: about this many programs per SM
+PAGED_PROGRAMS_PER_SM = 8                # decode grid: about this many programs per SM
 FILL_BLOCK = 128                         # metadata zero fill: elements per program
 
 
 # NVIDIA parts whose fp8 MMA keeps fewer mantissa bits than fp32 in its accumulator (DeepSeek-V3 reports ~14 on
 # Hopper). Measured on an H100 (NOTES.md): worst error 1.8e-3 of the row's max |logit| against SPEC's 1e-3, and
-# 8e-4 at half the speed with a promotion every 32 products; the bf16 product of the decoded fp8 values is exact
-# and accumulates in fp32 (5e-7), at 41 % of the fp8 matmul rate. These parts take the bf16 path.
+# 8e-4 at half the speed with a promotion every 32 products; the 16-bit product of the decoded fp8 values is exact
+# and accumulates in fp32 (5e-7 with bf16), at 41 % of the fp8 matmul rate. These parts take the decoded path:
+# bf16 for the prefill, fp16 for the paged decode (the hardware decodes two fp8 codes to fp16 in one instruction,
+# to bf16 in three; the prefill measured 39.0 % of the fp8 rate with fp16 against 40.8 % with bf16).
 FP8_MMA_SHORT_ACCUMULATOR = (89, 90)
 
 
@@ -69,22 +79,27 @@ def fp8_mma(target: platform.Target, fmt: layout.Fp8Format) -> bool:
     return False
 
 
-def dot_mode(target: platform.Target, q_fmt: layout.Fp8Format, k_fmt: layout.Fp8Format) -> int:
+def dot_mode(target: platform.Target, q_fmt: layout.Fp8Format, k_fmt: layout.Fp8Format,
+             decoded: int = DOT_BF16) -> int:
+    """The product path: fp8 MMA where `fp8_mma`, fp32 under the interpreter, else the codes decoded to `decoded`
+    (DOT_BF16 or DOT_F16: both exact; the prefill measured faster in bf16 and the paged decode in fp16 on an H100)."""
     if target.backend == "interpreter":
         return DOT_F32
-    return DOT_FP8 if q_fmt is k_fmt and fp8_mma(target, q_fmt) else DOT_BF16
+    return DOT_FP8 if q_fmt is k_fmt and fp8_mma(target, q_fmt) else decoded
 
 
 # --- device helpers ---------------------------------------------------------------------------------------
 @triton.jit
 def _operand(codes, FMT: tl.constexpr, SW: tl.constexpr, DOT_MODE: tl.constexpr):
-    """uint8 fp8 codes -> the dot operand: the fp8 type itself, or its exact value in bf16 / fp32."""
+    """uint8 fp8 codes -> the dot operand: the fp8 type itself, or its exact value in fp16 / fp32 / bf16."""
     if DOT_MODE == 0:
         if FMT == 1:
             val = codes.to(tl.float8e4nv, bitcast=True)
         else:
             val = codes.to(tl.float8e4b8, bitcast=True)
     elif DOT_MODE == 1:
+        val = fp8_decode(codes, FMT, SW, tl.float16)
+    elif DOT_MODE == 3:
         val = fp8_decode(codes, FMT, SW).to(tl.bfloat16)
     else:
         val = fp8_decode(codes, FMT, SW)
@@ -189,6 +204,90 @@ def _row_lens(ctx_ptr, b, jg, c_s0, c_s1, NEXT_N: tl.constexpr, LENS_2D: tl.cons
 
 # --- paged decode ------------------------------------------------------------------------------------------------
 @triton.jit
+def _page_entry(bt_ptr, b, bt_s0, bt_s1, t, t_hi, width, num_blocks, BLOCK_N: tl.constexpr, BS: tl.constexpr):
+    """Block id (int64) of the page holding tile t (BLOCK_N divides BS), or -1: an invalid entry (< 0, >= num_blocks,
+    column past the table's width) or a tile at or past t_hi (nothing is loaded)."""
+    col = (t * BLOCK_N) // BS
+    blk = tl.load(bt_ptr + b * bt_s0 + col * bt_s1, mask=(t < t_hi) & (col < width), other=-1).to(tl.int64)
+    return tl.where((blk >= 0) & (blk < num_blocks), blk, -1)
+
+
+@triton.jit
+def _page_tile(cache_ptr, blk, t, page_stride, k_ar, BLOCK_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+               SCALE_BYTES: tl.constexpr):
+    """Codes of tile t from page `blk` as int32 [BLOCK_N, D // 4] (4 codes each, packed: a quarter of the registers
+    of uint8 codes) and its scales [BLOCK_N] (fp32); zeros when blk < 0. Keys past the request's length inside a
+    valid page are read too (never stored)."""
+    page = tl.maximum(blk, 0) * page_stride
+    row = (t * BLOCK_N) % BS + k_ar
+    page_ok = k_ar < tl.where(blk >= 0, BLOCK_N, 0)
+    words = (cache_ptr + page + (row * D)[:, None]).to(tl.pointer_type(tl.int32)) + tl.arange(0, D // 4)[None, :]
+    codes = tl.load(words, mask=page_ok[:, None], other=0)
+    sc = tl.load((cache_ptr + page + BS * D + row * SCALE_BYTES).to(tl.pointer_type(tl.float32)), mask=page_ok,
+                 other=0.0)
+    return codes, sc
+
+
+@triton.jit
+def _unpack_codes(words, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """int32 [BLOCK_N, D // 4] of 4 little-endian codes each -> uint8 codes [BLOCK_N, D]."""
+    even = tl.join((words & 0xFF).to(tl.uint8), ((words >> 16) & 0xFF).to(tl.uint8))       # codes 0, 2
+    odd = tl.join(((words >> 8) & 0xFF).to(tl.uint8), ((words >> 24) & 0xFF).to(tl.uint8))   # codes 1, 3
+    return tl.reshape(tl.join(even, odd), (BLOCK_N, D))      # [.., a, b] holds code 2a + b
+
+
+@triton.jit
+def _group_lens(ctx_ptr, b, g, max_len, c_s0, c_s1, NEXT_N: tl.constexpr, GQ: tl.constexpr, LENS_2D: tl.constexpr):
+    """Clamped key counts [GQ] of the queries of group g of request b (0 past next_n)."""
+    jg = g * GQ + tl.arange(0, GQ)
+    return tl.where(jg < NEXT_N, tl.minimum(tl.maximum(_row_lens(ctx_ptr, b, jg, c_s0, c_s1, NEXT_N, LENS_2D), 0),
+                                            max_len), 0)
+
+
+@triton.jit
+def _store_group(acc, sc, ok, k, len_g, out_ptr, row0, g, max_len, o_s0, NEXT_N: tl.constexpr, GQ: tl.constexpr):
+    """Scaled logits [BLOCK_N keys, GQ queries] of group g: -inf for invalid keys and keys past a row's length."""
+    jg = g * GQ + tl.arange(0, GQ)
+    valid = ok[:, None] & (k[:, None] < len_g[None, :])
+    val = tl.where(valid, acc * sc[:, None], float("-inf"))
+    tl.store(out_ptr + (row0 + jg).to(tl.int64)[None, :] * o_s0 + k[:, None], val,
+             mask=(k < max_len)[:, None] & (jg < NEXT_N)[None, :])
+
+
+@triton.jit
+def _score_tile(codes, sc, ok, k, qv, w, lens, qv1, w1, lens1, q_ptr, w_ptr, ctx_ptr, out_ptr, b, row0, q_base,
+                max_len, H, q_s1, q_s2, w_s0, w_s1, c_s0, c_s1, o_s0, NEXT_N: tl.constexpr, GQ: tl.constexpr,
+                HC: tl.constexpr, CHUNKS: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                Q_FMT: tl.constexpr, Q_SW: tl.constexpr, K_FMT: tl.constexpr, K_SW: tl.constexpr,
+                DOT_MODE: tl.constexpr, LENS_2D: tl.constexpr):
+    """Logits of one key tile (keys k, valid where `ok`) for every query row of request b, stored to out. Up to two
+    (group, chunk) products use the resident (qv, w) and (qv1, w1), with lens / lens1 the groups' key counts;
+    more reload their query rows per tile."""
+    kt = _operand(codes, K_FMT, K_SW, DOT_MODE)
+    if GROUPS * CHUNKS == 1:
+        _store_group(_group_logits(kt, qv, w, BLOCK_N, GQ, HC, DOT_MODE), sc, ok, k, lens, out_ptr, row0, 0,
+                     max_len, o_s0, NEXT_N, GQ)
+    elif GROUPS == 2 and CHUNKS == 1:
+        _store_group(_group_logits(kt, qv, w, BLOCK_N, GQ, HC, DOT_MODE), sc, ok, k, lens, out_ptr, row0, 0,
+                     max_len, o_s0, NEXT_N, GQ)
+        _store_group(_group_logits(kt, qv1, w1, BLOCK_N, GQ, HC, DOT_MODE), sc, ok, k, lens1, out_ptr, row0, 1,
+                     max_len, o_s0, NEXT_N, GQ)
+    elif GROUPS == 1 and CHUNKS == 2:
+        acc = _group_logits(kt, qv, w, BLOCK_N, GQ, HC, DOT_MODE) + _group_logits(kt, qv1, w1, BLOCK_N, GQ, HC,
+                                                                                 DOT_MODE)
+        _store_group(acc, sc, ok, k, lens, out_ptr, row0, 0, max_len, o_s0, NEXT_N, GQ)
+    else:
+        for g in tl.static_range(GROUPS):
+            acc = tl.zeros((BLOCK_N, GQ), tl.float32)
+            for c in tl.static_range(CHUNKS):
+                qc, wc = _load_group(q_ptr, w_ptr, q_base, q_s1, q_s2, row0 * w_s0, w_s0, w_s1, NEXT_N, H, g,
+                                     c, GQ, HC, D, Q_FMT, Q_SW, DOT_MODE)
+                acc += _group_logits(kt, qc, wc, BLOCK_N, GQ, HC, DOT_MODE)
+            _store_group(acc, sc, ok, k, _group_lens(ctx_ptr, b, g, max_len, c_s0, c_s1, NEXT_N, GQ, LENS_2D),
+                         out_ptr, row0, g, max_len, o_s0, NEXT_N, GQ)
+
+
+@triton.jit
 def paged_mqa_logits_kernel(
     q_ptr, cache_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr,
     max_len, H, num_blocks, page_stride, bt_width, bt_rows, tiles_per_split,
@@ -196,7 +295,7 @@ def paged_mqa_logits_kernel(
     NEXT_N: tl.constexpr, BQ: tl.constexpr, GQ: tl.constexpr, HC: tl.constexpr, CHUNKS: tl.constexpr,
     D: tl.constexpr, BS: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
     Q_FMT: tl.constexpr, Q_SW: tl.constexpr, K_FMT: tl.constexpr, K_SW: tl.constexpr, DOT_MODE: tl.constexpr,
-    LENS_2D: tl.constexpr, CLEAN: tl.constexpr,
+    LENS_2D: tl.constexpr, CLEAN: tl.constexpr, PAGE_TILE: tl.constexpr,
 ):
     """See the module docstring. The BQ (>= next_n) query rows of request b form BQ // GQ groups of GQ
     queries, each split into CHUNKS head chunks of HC."""
@@ -216,38 +315,47 @@ def paged_mqa_logits_kernel(
     d = tl.arange(0, D)
     row0 = b * NEXT_N
     q_base = b * q_s0
-    if GROUPS * CHUNKS == 1:
-        qv, w = _load_group(q_ptr, w_ptr, q_base, q_s1, q_s2, row0 * w_s0, w_s0, w_s1, NEXT_N, H, 0, 0,
-                            GQ, HC, D, Q_FMT, Q_SW, DOT_MODE)
-    for t in range(t0, t_hi):
-        k = t * BLOCK_N + k_ar
-        col = k // BS
-        off = k % BS
-        col_ok = (k < hi) & (col < width)
-        blk = tl.load(bt_ptr + b * bt_s0 + col * bt_s1, mask=col_ok, other=-1).to(tl.int64)
-        ok = col_ok & (blk >= 0) & (blk < num_blocks)
-        page = tl.where(ok, blk, 0) * page_stride
-        codes = tl.load(cache_ptr + (page + off * D)[:, None] + d[None, :], mask=ok[:, None], other=0)
-        kt = _operand(codes, K_FMT, K_SW, DOT_MODE)
-        sc = tl.load((cache_ptr + page + BS * D + off * SCALE_BYTES).to(tl.pointer_type(tl.float32)), mask=ok,
-                     other=0.0)
-        k_in = (k < max_len)[:, None]
-        for g in tl.static_range(GROUPS):
-            if GROUPS * CHUNKS == 1:
-                acc = _group_logits(kt, qv, w, BLOCK_N, GQ, HC, DOT_MODE)
-            else:
-                acc = tl.zeros((BLOCK_N, GQ), tl.float32)
-                for c in tl.static_range(CHUNKS):
-                    qc, wc = _load_group(q_ptr, w_ptr, q_base, q_s1, q_s2, row0 * w_s0, w_s0, w_s1, NEXT_N, H, g,
-                                         c, GQ, HC, D, Q_FMT, Q_SW, DOT_MODE)
-                    acc += _group_logits(kt, qc, wc, BLOCK_N, GQ, HC, DOT_MODE)
-            jg = g * GQ + tl.arange(0, GQ)
-            len_g = tl.where(jg < NEXT_N, tl.minimum(tl.maximum(_row_lens(ctx_ptr, b, jg, c_s0, c_s1, NEXT_N,
-                                                                            LENS_2D), 0), max_len), 0)
-            valid = ok[:, None] & (k[:, None] < len_g[None, :])
-            val = tl.where(valid, acc * sc[:, None], float("-inf"))
-            tl.store(out_ptr + (row0 + jg).to(tl.int64)[None, :] * o_s0 + k[:, None], val,
-                     mask=k_in & (jg < NEXT_N)[None, :])
+    # the query rows and weights of up to two (group, chunk) products stay resident (_score_tile reloads more)
+    qv, w = _load_group(q_ptr, w_ptr, q_base, q_s1, q_s2, row0 * w_s0, w_s0, w_s1, NEXT_N, H, 0, 0,
+                        GQ, HC, D, Q_FMT, Q_SW, DOT_MODE)
+    lens0 = _group_lens(ctx_ptr, b, 0, max_len, c_s0, c_s1, NEXT_N, GQ, LENS_2D)
+    if GROUPS * CHUNKS == 2:
+        qv1, w1 = _load_group(q_ptr, w_ptr, q_base, q_s1, q_s2, row0 * w_s0, w_s0, w_s1, NEXT_N, H, GROUPS - 1,
+                              CHUNKS - 1, GQ, HC, D, Q_FMT, Q_SW, DOT_MODE)
+        lens1 = _group_lens(ctx_ptr, b, GROUPS - 1, max_len, c_s0, c_s1, NEXT_N, GQ, LENS_2D)
+    else:
+        qv1, w1, lens1 = qv, w, lens0
+    if PAGE_TILE:
+        # Software pipeline in registers (one Triton stage): tile t+1's codes and scales are loaded before
+        # tile t is scored, and tile t+2's table entry one iteration earlier still.
+        blk = _page_entry(bt_ptr, b, bt_s0, bt_s1, t0, t_hi, width, num_blocks, BLOCK_N, BS)
+        blk_next = _page_entry(bt_ptr, b, bt_s0, bt_s1, t0 + 1, t_hi, width, num_blocks, BLOCK_N, BS)
+        codes, sc = _page_tile(cache_ptr, blk, t0, page_stride, k_ar, BLOCK_N, BS, D, SCALE_BYTES)
+        for t in range(t0, t_hi):
+            blk_after = _page_entry(bt_ptr, b, bt_s0, bt_s1, t + 2, t_hi, width, num_blocks, BLOCK_N, BS)
+            codes_next, sc_next = _page_tile(cache_ptr, blk_next, t + 1, page_stride, k_ar, BLOCK_N, BS, D,
+                                             SCALE_BYTES)
+            k = t * BLOCK_N + k_ar
+            ok = (k < hi) & (k_ar < tl.where(blk >= 0, BLOCK_N, 0))
+            _score_tile(_unpack_codes(codes, BLOCK_N, D), sc, ok, k, qv, w, lens0, qv1, w1, lens1, q_ptr, w_ptr,
+                        ctx_ptr, out_ptr, b, row0, q_base, max_len, H, q_s1, q_s2, w_s0, w_s1, c_s0, c_s1, o_s0, NEXT_N,
+                        GQ, HC, CHUNKS, GROUPS, D, BLOCK_N, Q_FMT, Q_SW, K_FMT, K_SW, DOT_MODE, LENS_2D)
+            codes, sc, blk, blk_next = codes_next, sc_next, blk_next, blk_after
+    else:
+        for t in range(t0, t_hi):
+            k = t * BLOCK_N + k_ar
+            col = k // BS
+            off = k % BS
+            col_ok = (k < hi) & (col < width)
+            blk = tl.load(bt_ptr + b * bt_s0 + col * bt_s1, mask=col_ok, other=-1).to(tl.int64)
+            ok = col_ok & (blk >= 0) & (blk < num_blocks)
+            page = tl.where(ok, blk, 0) * page_stride
+            codes = tl.load(cache_ptr + (page + off * D)[:, None] + d[None, :], mask=ok[:, None], other=0)
+            sc = tl.load((cache_ptr + page + BS * D + off * SCALE_BYTES).to(tl.pointer_type(tl.float32)), mask=ok,
+                         other=0.0)
+            _score_tile(codes, sc, ok, k, qv, w, lens0, qv1, w1, lens1, q_ptr, w_ptr, ctx_ptr, out_ptr, b, row0,
+                        q_base, max_len, H, q_s1, q_s2, w_s0, w_s1, c_s0, c_s1, o_s0, NEXT_N, GQ, HC, CHUNKS, GROUPS,
+                        D, BLOCK_N, Q_FMT, Q_SW, K_FMT, K_SW, DOT_MODE, LENS_2D)
     if CLEAN:
         for t in range(t_hi, t1):
             k = t * BLOCK_N + k_ar
@@ -322,8 +430,9 @@ def paged_constexprs(target: platform.Target, next_n: int, heads: int, block_siz
     return dict(NEXT_N=next_n, BQ=bq, GQ=gq, HC=hc, CHUNKS=chunks, D=layout.INDEXER_DIM, BS=block_size,
                 SCALE_BYTES=layout.INDEXER_SCALE_BYTES, BLOCK_N=tile["BLOCK_N"],
                 Q_FMT=q_fmt.code, Q_SW=not platform.native_fp8(target, q_fmt), K_FMT=k_fmt.code,
-                K_SW=not platform.native_fp8(target, k_fmt), DOT_MODE=dot_mode(target, q_fmt, k_fmt),
-                LENS_2D=lens_2d, CLEAN=clean, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+                K_SW=not platform.native_fp8(target, k_fmt), DOT_MODE=dot_mode(target, q_fmt, k_fmt, DOT_F16),
+                LENS_2D=lens_2d, CLEAN=clean, PAGE_TILE=block_size % tile["BLOCK_N"] == 0, num_warps=tile["num_warps"],
+                num_stages=tile["num_stages"], **({"maxnreg": tile["maxnreg"]} if tile.get("maxnreg") else {}))
 
 
 def paged_splits(batch: int, max_len: int, target: platform.Target, multiprocessor_count: int) -> tuple[int, int]:
