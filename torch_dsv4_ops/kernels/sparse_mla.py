@@ -34,6 +34,7 @@ MIN_BLOCK_H = 16                   # a dot's smallest M
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 1               # one 8-warp program fills an SM's registers (acc [64, 512] fp32)
 MIN_TILES_PER_SPLIT = 1
+SMALL_DECODE_PROGRAMS = 4         # decode calls of at most this many (row, head block) programs take 32-row steps
 
 
 @triton.jit
@@ -245,10 +246,13 @@ def head_blocks(hq: int) -> int:
     return layout.cdiv(max(hq, 1), block_h(hq))
 
 
-def tiles(target: platform.Target, prefill: bool) -> dict:
-    """BLOCK_N rows per step, warps and stages."""
+def tiles(target: platform.Target, prefill: bool, programs: int | None = None) -> dict:
+    """BLOCK_N rows per step, warps and stages; `programs` (decode: rows x head blocks) picks the latency tile."""
     if target.backend == "interpreter":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    if not prefill and programs is not None and programs <= SMALL_DECODE_PROGRAMS:
+        # H100 (NOTES.md, "Sparse MLA at small batches"): twice the splits of shorter steps, no pipelining
+        return dict(BLOCK_N=32, num_warps=8, num_stages=1)
     # H100 sweep (benchmarks/NOTES.md, "Sparse MLA"): 64 x 8 warps beat 32/16 rows, 4/16 warps and 3 stages
     return dict(BLOCK_N=64, num_warps=8, num_stages=2)
 
@@ -275,10 +279,10 @@ def workspace_elements(rows: int, hq: int, splits: int) -> tuple[int, int]:
 
 
 def constexprs(target: platform.Target, main: Source, extra: Source | None, has_len: bool, has_x_len: bool,
-               sinks: bool, split: bool, hq: int, prefill: bool) -> dict:
-    """Constexprs (with num_warps/num_stages) of `sparse_mla_kernel`."""
+               sinks: bool, split: bool, hq: int, prefill: bool, programs: int | None = None) -> dict:
+    """Constexprs (with num_warps/num_stages) of `sparse_mla_kernel`; `programs` as for `tiles`."""
     interpret = target.backend == "interpreter"
-    tile = tiles(target, prefill)
+    tile = tiles(target, prefill, programs)
 
     def codec(src: Source) -> tuple[int, bool]:
         fmt = fp8_format(src.fnuz)
@@ -304,11 +308,12 @@ def combine_constexprs(target: platform.Target, sinks: bool, splits: int) -> dic
 
 # --- compile matrix ---------------------------------------------------------------------------------------
 def matrix_launch(target: platform.Target, name: str, hq: int, main: Source, extra: Source | None = None,
-                  has_len: bool = True, sinks: bool = True, split: bool = False, prefill: bool = False):
+                  has_len: bool = True, sinks: bool = True, split: bool = False, prefill: bool = False,
+                  programs: int | None = None):
     """What ops/sparse_mla.py passes to sparse_mla_kernel for one call (B 4, s_q 1, contiguous tensors)."""
     from .matrix import Ptr
 
-    meta = launch_options(constexprs(target, main, extra, has_len, has_len, sinks, split, hq, prefill))
+    meta = launch_options(constexprs(target, main, extra, has_len, has_len, sinks, split, hq, prefill, programs))
     rows, width, x_width, nb = 4, 640 if not extra else 128, 512, 16
     d = layout.HEAD_DIM
     src = Ptr(torch.bfloat16) if prefill else Ptr(torch.uint8)
@@ -337,7 +342,7 @@ def matrix_launch_combine(target: platform.Target, name: str, hq: int, sinks: bo
 def matrix_cases(target: platform.Target) -> list:
     """Specialisations of the sparse MLA kernels on `target`: decode SWA-only (bs 64), C4A (extra bs 64),
     C128A (extra bs 2), FNUZ and mixed flavours, with/without lengths and sinks, split and unsplit; 64,
-    128 and 16 heads; prefill over bf16 rows; the combine kernel."""
+    128 and 16 heads; the small-batch tile; prefill over bf16 rows; the combine kernel."""
     from .matrix import dedupe, kernel_case
 
     def case(fn, launch):
@@ -348,6 +353,7 @@ def matrix_cases(target: platform.Target) -> list:
     launches = [
         matrix_launch(target, "decode.swa.h64", 64, swa, has_len=False, sinks=False),
         matrix_launch(target, "decode.c4a.h64.split", 64, swa, Source(64), split=True),
+        matrix_launch(target, "decode.c4a.h64.split.small", 64, swa, Source(64), split=True, programs=1),
         matrix_launch(target, "decode.c4a.h64", 64, swa, Source(64)),
         matrix_launch(target, "decode.c128a.h128.fnuz", 128, swa_fnuz, c128),
         matrix_launch(target, "decode.c4a.h16.mixed.split", 16, swa, Source(64, True), split=True),
