@@ -1196,7 +1196,7 @@ def test_compile_decode_no_recompile(device):
     jits = _jits() if device.type == "cuda" else []
     if jits:
         for args in inputs[:2]:     # the first specialisation of each kernel; B 3 and B 5 take different tiles
-            step(*args)             # (kernels.SMALL_DECODE_PROGRAMS)
+            step(*args)             # (kernels.small_decode)
         torch.cuda.synchronize()
     before = sum(triton_cache_entries(j) for j in jits)
     check_compile(step, inputs)      # compiled == eager bit for bit, one frame

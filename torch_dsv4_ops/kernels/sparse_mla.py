@@ -4,9 +4,11 @@ prefill over a bf16 workspace, one kernel for both.
 `sparse_mla_kernel`, program (t, hb, s): query row t (= (b, j) of B x s_q, or a prefill token), the
 BLOCK_H heads of head block hb, split s of the row's selected index positions. The heads are the M
 dimension of both dots, so every selected row is loaded and dequantised once per (row, head block)
-(once per row for Hq <= MAX_BLOCK_H). Each step takes BLOCK_N positions of the concatenated list
-[main indices[:len] | extra indices[:len_extra]], loads the valid rows as one [BLOCK_N, 512] tile
-(NoPE codes times their UE8M0 scale, RoPE bf16 bits; exact, §2.1) and runs an online softmax in base 2.
+(once per row for Hq <= MAX_BLOCK_H; a decode call of at most SMALL_DECODE_ROWS rows takes blocks of
+MIN_BLOCK_H heads, so that its programs cover the GPU, `small_decode`). Each step takes BLOCK_N positions
+of the concatenated list [main indices[:len] | extra indices[:len_extra]], loads the valid rows as one
+[BLOCK_N, 512] tile (NoPE codes times their UE8M0 scale, RoPE bf16 bits; exact, §2.1) and runs an online
+softmax in base 2.
 A row whose index is invalid is not loaded. Unsplit, the program writes out/lse (and max_logits);
 split, it writes (max, sum, unnormalised output) partials that `combine_kernel` merges, adding the sink.
 
@@ -34,7 +36,7 @@ MIN_BLOCK_H = 16                   # a dot's smallest M
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 1               # one 8-warp program fills an SM's registers (acc [64, 512] fp32)
 MIN_TILES_PER_SPLIT = 1
-SMALL_DECODE_PROGRAMS = 4         # decode calls of at most this many (row, head block) programs take 32-row steps
+SMALL_DECODE_ROWS = 4             # decode calls of at most this many query rows: 16-head blocks, 32-row steps
 
 
 @triton.jit
@@ -237,20 +239,27 @@ class Source:
     fnuz: bool = False
 
 
-def block_h(hq: int) -> int:
-    """Heads per program: Hq padded to a power of two, at least MIN_BLOCK_H, at most MAX_BLOCK_H."""
-    return min(MAX_BLOCK_H, max(MIN_BLOCK_H, triton.next_power_of_2(max(hq, 1))))
+def small_decode(rows: int) -> bool:
+    """A decode call of `rows` (B·s_q) query rows takes the latency plan: heads in blocks of MIN_BLOCK_H and
+    32-row steps, so that its few rows still spread over the GPU (H100, NOTES.md "Sparse MLA at small batches")."""
+    return rows <= SMALL_DECODE_ROWS
 
 
-def head_blocks(hq: int) -> int:
-    return layout.cdiv(max(hq, 1), block_h(hq))
+def block_h(hq: int, small: bool = False) -> int:
+    """Heads per program: Hq padded to a power of two, at least MIN_BLOCK_H, at most MAX_BLOCK_H (MIN_BLOCK_H for
+    a `small_decode`)."""
+    return min(MIN_BLOCK_H if small else MAX_BLOCK_H, max(MIN_BLOCK_H, triton.next_power_of_2(max(hq, 1))))
 
 
-def tiles(target: platform.Target, prefill: bool, programs: int | None = None) -> dict:
-    """BLOCK_N rows per step, warps and stages; `programs` (decode: rows x head blocks) picks the latency tile."""
+def head_blocks(hq: int, small: bool = False) -> int:
+    return layout.cdiv(max(hq, 1), block_h(hq, small))
+
+
+def tiles(target: platform.Target, prefill: bool, small: bool = False) -> dict:
+    """BLOCK_N rows per step, warps and stages (`small`: a `small_decode`)."""
     if target.backend == "interpreter":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
-    if not prefill and programs is not None and programs <= SMALL_DECODE_PROGRAMS:
+    if small and not prefill:
         # H100 (NOTES.md, "Sparse MLA at small batches"): twice the splits of shorter steps, no pipelining
         return dict(BLOCK_N=32, num_warps=8, num_stages=1)
     # H100 sweep (benchmarks/NOTES.md, "Sparse MLA"): 64 x 8 warps beat 32/16 rows, 4/16 warps and 3 stages
@@ -261,7 +270,7 @@ def max_splits(rows: int, hq: int, multiprocessor_count: int) -> int:
     """The most parts a decode row's selection is split into, from shapes and the SM count only: as many
     as keep the programs within one wave of PROGRAMS_PER_SM per multiprocessor (a partial second wave
     would double the time of the first), at least 1, at most MAX_SPLITS."""
-    programs = max(rows * head_blocks(hq), 1)
+    programs = max(rows * head_blocks(hq, small_decode(rows)), 1)
     return max(1, min(PROGRAMS_PER_SM * multiprocessor_count // programs, MAX_SPLITS))
 
 
@@ -279,10 +288,11 @@ def workspace_elements(rows: int, hq: int, splits: int) -> tuple[int, int]:
 
 
 def constexprs(target: platform.Target, main: Source, extra: Source | None, has_len: bool, has_x_len: bool,
-               sinks: bool, split: bool, hq: int, prefill: bool, programs: int | None = None) -> dict:
-    """Constexprs (with num_warps/num_stages) of `sparse_mla_kernel`; `programs` as for `tiles`."""
+               sinks: bool, split: bool, hq: int, prefill: bool, small: bool = False) -> dict:
+    """Constexprs (with num_warps/num_stages) of `sparse_mla_kernel` (`small`: a `small_decode`)."""
     interpret = target.backend == "interpreter"
-    tile = tiles(target, prefill, programs)
+    small = small and not prefill
+    tile = tiles(target, prefill, small)
 
     def codec(src: Source) -> tuple[int, bool]:
         fmt = fp8_format(src.fnuz)
@@ -294,7 +304,7 @@ def constexprs(target: platform.Target, main: Source, extra: Source | None, has_
     return dict(SOURCE=SOURCE_BF16 if prefill else SOURCE_FP8, BS=main.bs or 1, FMT=fmt, SW=sw,
                 EXTRA=extra is not None, X_BS=x.bs or 1, X_FMT=x_fmt, X_SW=x_sw, HAS_LEN=has_len,
                 HAS_X_LEN=has_x_len and extra is not None, SINKS=sinks, SPLIT=split, WRITE_MAX=prefill,
-                BLOCK_H=block_h(hq), BLOCK_N=tile["BLOCK_N"], D=layout.HEAD_DIM, NOPE=layout.NOPE_DIM,
+                BLOCK_H=block_h(hq, small), BLOCK_N=tile["BLOCK_N"], D=layout.HEAD_DIM, NOPE=layout.NOPE_DIM,
                 QB=layout.QUANT_BLOCK, DATA_BYTES=layout.TOKEN_DATA_BYTES, SCALE_BYTES=layout.SCALE_BYTES,
                 DOT_F32=interpret, O_BITS=interpret, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
 
@@ -309,11 +319,11 @@ def combine_constexprs(target: platform.Target, sinks: bool, splits: int) -> dic
 # --- compile matrix ---------------------------------------------------------------------------------------
 def matrix_launch(target: platform.Target, name: str, hq: int, main: Source, extra: Source | None = None,
                   has_len: bool = True, sinks: bool = True, split: bool = False, prefill: bool = False,
-                  programs: int | None = None):
+                  small: bool = False):
     """What ops/sparse_mla.py passes to sparse_mla_kernel for one call (B 4, s_q 1, contiguous tensors)."""
     from .matrix import Ptr
 
-    meta = launch_options(constexprs(target, main, extra, has_len, has_len, sinks, split, hq, prefill, programs))
+    meta = launch_options(constexprs(target, main, extra, has_len, has_len, sinks, split, hq, prefill, small))
     rows, width, x_width, nb = 4, 640 if not extra else 128, 512, 16
     d = layout.HEAD_DIM
     src = Ptr(torch.bfloat16) if prefill else Ptr(torch.uint8)
@@ -353,7 +363,7 @@ def matrix_cases(target: platform.Target) -> list:
     launches = [
         matrix_launch(target, "decode.swa.h64", 64, swa, has_len=False, sinks=False),
         matrix_launch(target, "decode.c4a.h64.split", 64, swa, Source(64), split=True),
-        matrix_launch(target, "decode.c4a.h64.split.small", 64, swa, Source(64), split=True, programs=1),
+        matrix_launch(target, "decode.c4a.h64.split.small", 64, swa, Source(64), split=True, small=True),
         matrix_launch(target, "decode.c4a.h64", 64, swa, Source(64)),
         matrix_launch(target, "decode.c128a.h128.fnuz", 128, swa_fnuz, c128),
         matrix_launch(target, "decode.c4a.h16.mixed.split", 16, swa, Source(64, True), split=True),

@@ -261,8 +261,8 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     main, extra = checked.main, checked.extra
     width = indices.shape[2]
     x_width = extra_indices.shape[2] if extra is not None else 0
-    programs = checked.rows * kernels.head_blocks(checked.hq)
-    block_n = kernels.tiles(target, False, programs)["BLOCK_N"]
+    small = kernels.small_decode(checked.rows)
+    block_n = kernels.tiles(target, False, small)["BLOCK_N"]
     splits = forced or kernels.decode_splits(checked.rows, checked.hq, width + x_width, block_n,
                                              kernels.device_multiprocessors(device))
     elements, ml_base = kernels.workspace_elements(checked.rows, checked.hq, splits)
@@ -277,7 +277,7 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     x_src = kernels.Source(extra.bs, extra_use_fnuz) if extra is not None else None
     meta = kernels.launch_options(kernels.constexprs(
         target, kernels.Source(main.bs, use_fnuz), x_src, topk_length is not None, extra_topk_length is not None,
-        attn_sink is not None, splits > 1, checked.hq, False, programs))
+        attn_sink is not None, splits > 1, checked.hq, False, small))
     xi = extra_indices if extra is not None else indices
     ints = (checked.s_q, checked.hq, float(softmax_scale), width, x_width, main.num_blocks * main.bs,
             extra.num_blocks * extra.bs if extra is not None else 0, main.page_stride,
@@ -288,7 +288,7 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
             out.stride(0), out.stride(1), out.stride(2), *_strides3(lse), 0, 0)
     dtypes = (torch.bfloat16, torch.uint8, torch.int32, torch.int32, torch.uint8, torch.int32, torch.int32,
               torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.float32)
-    launch = kernels.SPARSE_LAUNCHER.bind((checked.rows, kernels.head_blocks(checked.hq), splits), dtypes, ints,
+    launch = kernels.SPARSE_LAUNCHER.bind((checked.rows, kernels.head_blocks(checked.hq, small), splits), dtypes, ints,
                                           meta, device)
     if splits == 1:
         return DecodePlan(launch, None, 0)
