@@ -17,7 +17,7 @@ import torch
 import torch_dsv4_ops
 from torch_dsv4_ops import layout, platform
 from torch_dsv4_ops.compile_matrix import TARGETS_BY_NAME, error_summary
-from torch_dsv4_ops.kernels import _launch, cache as cache_kernels
+from torch_dsv4_ops.kernels import _launch, cache as cache_kernels, mqa_logits as mqa_logits_kernels
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "gfx90a", "gfx942", "gfx950")
@@ -105,8 +105,8 @@ def _expected_hw(result) -> set[tuple[str, str]]:
         if result["name"].startswith("indexer_q.") and not c["SW"]:
             out.add(("encode", FAMILY[c["FMT"]]))
         return out
-    if result["module"] == "torch_dsv4_ops.kernels.mqa_logits":   # codes decoded only on the bf16 dot path
-        if c.get("DOT_MODE") == 1:
+    if result["module"] == "torch_dsv4_ops.kernels.mqa_logits":   # codes decoded only on the 16-bit dot paths
+        if c.get("DOT_MODE") in (mqa_logits_kernels.DOT_F16, mqa_logits_kernels.DOT_BF16):
             for fmt, sw in ((c["Q_FMT"], c["Q_SW"]), (c["K_FMT"], c["K_SW"])):
                 if not sw:
                     out.add(("decode", FAMILY[fmt]))

@@ -1179,9 +1179,9 @@ def _jits():
 
 def test_compile_decode_no_recompile(device):
     """fullgraph=True, dynamic=True over three batch sizes with different W, K and lengths: one graph; on a GPU no
-    new Triton compilation once each decode tile (small batches', the rest's) has run; the eager results equal the
-    oracle. The sizes (B 3/5/7, W 20/28/17, K 12/9/22, nb 4,
-    x_nb 6, Hq 16) never coincide within a call, so duck sizing ties none of them together."""
+    new Triton compilation once each decode plan (small batches', the rest's) has run; the eager results equal the
+    oracle. The sizes (B 3/5/7, W 20/28/17, K 12/9/22, nb 4, x_nb 6, Hq 16) never coincide within a call, so duck
+    sizing ties none of them together."""
     cases = [DecodeCase(DecodeSpec(batch=b, width=w, extra_width=k, nb=4, x_nb=6,
                                    lens=("full", "part", "one"), x_lens=("part", "zero", "full"), seed=100 + b),
                         device) for b, w, k in ((3, 20, 12), (5, 28, 9), (7, 17, 22))]
@@ -1195,7 +1195,7 @@ def test_compile_decode_no_recompile(device):
     inputs = [(c.q, c.main.tensor, c.idx, c.lens, c.extra.tensor, c.x_idx, c.x_lens, c.sink) for c in cases]
     jits = _jits() if device.type == "cuda" else []
     if jits:
-        for args in inputs[:2]:     # the first specialisation of each kernel; B 3 and B 5 take different tiles
+        for args in inputs[:2]:     # the first specialisation of each kernel; B 3 and B 5 take different plans
             step(*args)             # (kernels.small_decode)
         torch.cuda.synchronize()
     before = sum(triton_cache_entries(j) for j in jits)
