@@ -59,8 +59,9 @@ FILL_BLOCK = 128                         # metadata zero fill: elements per prog
 # Hopper). Measured on an H100 (NOTES.md): worst error 1.8e-3 of the row's max |logit| against SPEC's 1e-3, and
 # 8e-4 at half the speed with a promotion every 32 products; the 16-bit product of the decoded fp8 values is exact
 # and accumulates in fp32 (5e-7 with bf16), at 41 % of the fp8 matmul rate. These parts take the decoded path:
-# bf16 for the prefill, fp16 for the paged decode (the hardware decodes two fp8 codes to fp16 in one instruction,
-# to bf16 in three; the prefill measured 39.0 % of the fp8 rate with fp16 against 40.8 % with bf16).
+# bf16 for the prefill, fp16 for the paged decode (the hardware decodes two fp8 codes to fp16 in one instruction;
+# bf16 goes through fp32, four per pair in the paged loop's SASS; yet the prefill measured 39.0 % of the fp8 rate
+# with fp16 against 41.7 % with bf16).
 FP8_MMA_SHORT_ACCUMULATOR = (89, 90)
 
 
