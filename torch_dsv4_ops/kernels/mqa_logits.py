@@ -305,9 +305,7 @@ def paged_mqa_logits_kernel(
     GROUPS: tl.constexpr = BQ // GQ
     j = tl.arange(0, BQ)
     j_ok = j < NEXT_N
-    lens = tl.where(j_ok, tl.minimum(tl.maximum(_row_lens(ctx_ptr, b, j, c_s0, c_s1, NEXT_N, LENS_2D), 0), max_len),
-                    0)
-    hi = tl.max(lens, axis=0)
+    hi = tl.max(_group_lens(ctx_ptr, b, 0, max_len, c_s0, c_s1, NEXT_N, BQ, LENS_2D), axis=0)   # all BQ rows
     t0 = split * tiles_per_split
     t1 = tl.minimum(t0 + tiles_per_split, tl.cdiv(max_len, BLOCK_N))
     t_hi = tl.minimum(tl.maximum(tl.cdiv(hi, BLOCK_N), t0), t1)
