@@ -115,13 +115,21 @@ def sweep_q(dev) -> list:
     return out
 
 
+def _topk_configs() -> list:
+    """(keys per lane, warp cap) pairs: SWEEP_TOPK="64,8;32,16" or every pair of the grid."""
+    env = os.environ.get("SWEEP_TOPK")
+    if env:
+        return [tuple(int(x) for x in item.split(",")) for item in env.split(";") if item]
+    return list(itertools.product((8, 16, 32, 64), (4, 8, 16, 32)))
+
+
 def sweep_topk(dev) -> list:
     """Keys per lane x the warp cap of the in-register path (the rows fit one tile)."""
     saved = (topk_kernels.PER_THREAD, topk_kernels.MAX_WARPS["cuda"])
     out = []
     for spec in (bench_topk.Spec("decode", 128, 16384, "full"), bench_topk.Spec("prefill", 4096, 8192, "causal")):
         w = bench_topk.build(spec, dev)
-        for per_thread, warps in itertools.product((8, 16, 32, 64), (4, 8, 16, 32)):
+        for per_thread, warps in _topk_configs():
             topk_kernels.PER_THREAD, topk_kernels.MAX_WARPS["cuda"] = per_thread, warps
             topk_ops._PLANS.clear()
             if spec.op == "decode":

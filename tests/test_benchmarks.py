@@ -51,3 +51,17 @@ def test_quick_cpu_run_writes_json(tmp_path):
     assert "targets: 8 not judged (no GPU" in proc.stdout
     if importlib.util.find_spec("matplotlib") is not None:
         assert doc["plot"] == "bench_cache.png" and (tmp_path / "bench_cache.png").stat().st_size > 0
+
+
+def test_topk_phase_probe_matches_kernel():
+    """benchmarks/probe_topk_phases.py stamps a copy of kernels/topk.py at text anchors: they still match (one
+    clock read per phase boundary and one store per phase), and the stamped copy is valid Python."""
+    import ast
+
+    from benchmarks import probe_topk_phases
+
+    src = probe_topk_phases.stamped_source()
+    ast.parse(src)
+    one_tile = src[src.index("def _one_tile("):src.index("def _tiles_histogram(")]
+    assert one_tile.count("= _clock(") == probe_topk_phases.STAMPS + 1
+    assert one_tile.count("_stamp(out_row") == probe_topk_phases.STAMPS

@@ -9,9 +9,12 @@
   #(key > T) keys equal to T are taken, the lowest-indexed ones: a last sweep takes key > T, plus key == T while
   fewer than `need` equal keys precede, and stores column - lo at the output position given by the exclusive
   prefix count of taken keys: exactly TOPK indices, in ascending order.
-  - A window of at most BLOCK columns (`_one_tile`, every row when N <= BLOCK) keeps its keys in registers and
-    narrows an interval holding T by counting (`_tile_threshold`): halvings over the whole tile, then thirds over
-    the <= TOPK keys left inside, compacted into the row's own output slots.
+  - A window of at most BLOCK columns (`_one_tile`, every row when N <= BLOCK) keeps its keys in registers.
+    Counts over the whole tile (`_narrow`: the largest key, thresholds stepping down from it by 1, 2, 4, ...
+    binades, then halvings) narrow an interval holding T until at most LIMIT = 2 * TOPK - 1 keys are >= its low
+    end. Those keys' positions go, in column order, to the row's own output slots (int16, two per slot) and come
+    back with their keys as a short vector, on which `_short_search` finds T (quarters per pass) and the last
+    sweep runs. Ties that keep more than LIMIT keys >= T send the whole tile through the last sweep.
   - A longer window (`_streamed`, compiled only when N > BLOCK: STREAM) runs a radix select over BLOCK-column
     tiles read once per pass, each pass a tl.histogram of the candidates whose higher digits match so far
     (`radix_bits()`: 6 passes of 7 + 5 x 5 bits), carrying the histogram and the prefix counts across tiles.
@@ -130,49 +133,95 @@ def _count_at_least(key, t):
 
 
 @triton.jit
-def _tile_threshold(key, n, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr):
-    """(T, #(key > T)) for the n > TOPK live keys of one register tile (key 0: not a candidate), where T is the
-    TOPK-th largest key, found by narrowing an interval [lo, top] that holds it.
-
-    1. Halve [lo, top] by counting over the whole tile until at most TOPK keys lie inside it.
-    2. Store those keys into out_row[0:m] (the row's own output, overwritten at the end; a barrier orders the
-       stores before the loads) and load them back as a CAP-lane vector.
-    3. Cut the interval in three per pass over that vector: two counts packed in one int32 sum (each <= TOPK).
-    Every pass keeps c_hi = #(key > top), the second value returned once lo == top."""
+def _narrow(key, n, TOPK: tl.constexpr, LIMIT: tl.constexpr):
+    """Narrow an interval [lo, top] holding T, the TOPK-th largest of the n > TOPK live keys of one register tile
+    (key 0: not a candidate), by counting over the whole tile, until at most LIMIT keys are >= lo or lo == top.
+    The interval starts at [1, largest key]; thresholds step down from the top by one binade (2**23 keys), then
+    2, 4, ... binades, until one holds TOPK keys; from there on each count halves the interval.
+    Returns (lo, top, #(key >= lo), #(key > top)) as int64 / int32 scalars."""
     lo = (n * 0 + 1).to(tl.int64)              # key 0 is never a candidate, so T >= 1
-    top = lo * 0 + 0xFFFFFFFF
+    top = tl.max(key, 0).to(tl.int64)          # nothing lies above the largest key
     c_lo = n                                   # #(key >= lo)
     c_hi = n * 0                               # #(key > top)
-    while (lo < top) & (c_lo - c_hi > TOPK):
-        mid = lo + (top - lo + 1) // 2
+    step = lo * 0 + (1 << 23)                  # downward from the top, one binade, then doubling
+    while (lo < top) & (c_lo > LIMIT):
+        g = top + 1 - step
+        mid = tl.where((step > 0) & (g > lo), g, lo + (top - lo + 1) // 2)
         c = _count_at_least(key, mid.to(tl.uint32))
         up = c >= TOPK
         lo = tl.where(up, mid, lo)
         c_lo = tl.where(up, c, c_lo)
         top = tl.where(up, top, mid - 1)
         c_hi = tl.where(up, c_hi, c)
-    if lo < top:
-        inside = (key >= lo.to(tl.uint32)) & (key <= top.to(tl.uint32))
-        flag = inside.to(tl.int32)
+        step = tl.where(up, 0, step * 2)       # bisection once a threshold holds TOPK keys
+    return lo, top, c_lo, c_hi
+
+
+@triton.jit
+def _short_search(x, lo, top, c_hi, TOPK: tl.constexpr, LIMIT: tl.constexpr):
+    """(T, #(x > T)) for a short vector x holding every key >= lo (at most LIMIT; 0 in unused lanes), T in
+    [lo, top] the TOPK-th largest, c_hi = #(x > top). Each pass cuts [lo, top] into NT + 1 parts and counts x
+    against their NT inner bounds in one int32 sum of NT fields (a count <= LIMIT fits FIELD bits): 3 bounds
+    for LIMIT < 1024, else 2."""
+    FIELD: tl.constexpr = LIMIT.bit_length()
+    NT: tl.constexpr = 3 if FIELD <= 10 else 2
+    MASK: tl.constexpr = (1 << FIELD) - 1
+    while lo < top:
+        span = top - lo + 1
+        packed = tl.zeros(x.shape, tl.int32)
+        for i in tl.static_range(NT):
+            t = lo + tl.maximum((span * (i + 1)) // (NT + 1), 1)
+            packed += tl.where(x >= t.to(tl.uint32), 1 << (FIELD * i), 0)
+        counts = tl.sum(packed, 0)
+        new_lo = lo
+        for i in tl.static_range(NT - 1, -1, -1):
+            t = lo + tl.maximum((span * (i + 1)) // (NT + 1), 1)
+            c = (counts >> (FIELD * i)) & MASK
+            top = tl.where(c >= TOPK, top, t - 1)      # descending: the lowest bound short of TOPK keys stays
+            c_hi = tl.where(c >= TOPK, c_hi, c)
+            new_lo = tl.where((c >= TOPK) & (new_lo == lo), t, new_lo)     # ... and the highest holding them
+        lo = new_lo
+    return lo.to(tl.uint32), c_hi
+
+
+@triton.jit
+def _half_slots(out_row, p, o_s1):
+    """int16 slot p >= 0 of an output row: two per int32 output slot, whatever the row's stride."""
+    out16 = out_row.to(tl.pointer_type(tl.int16))
+    if o_s1 == 1:                              # a contiguous row (the stride 1 specialises to a constant)
+        ptr = out16 + p
+    else:
+        q = p.to(tl.uint32)
+        ptr = out16 + ((q >> 1).to(tl.int64) * (2 * o_s1) + (q & 1))
+    return ptr
+
+
+@triton.jit
+def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr):
+    """A window of at most BLOCK columns (positions j = offs, candidates j - start in [0, n)), keys in registers.
+
+    1. `_narrow` until at most LIMIT = min(2 * TOPK - 1, CAP) keys are >= lo.
+    2. Their positions, in column order, go to the row's own output as int16 (2 * TOPK slots; a barrier orders
+       the stores before the loads), and come back as a CAP-lane vector with their keys (read again from the row).
+    3. `_short_search` finds T on that vector, and the selection (`_select_store`) scans it, not the whole tile.
+    When ties leave more than LIMIT keys >= T, T = lo = top and the whole tile is scanned."""
+    LIMIT: tl.constexpr = 2 * TOPK - 1 if 2 * TOPK - 1 < CAP else CAP
+    key, _ = _load_keys(row, offs, start, n, s1, cols)         # key 0 marks the lanes outside the window
+    lo, top, c_lo, c_hi = _narrow(key, n, TOPK, LIMIT)
+    if c_lo <= LIMIT:
+        flag = (key >= lo.to(tl.uint32)).to(tl.int32)
         pos = tl.cumsum(flag, 0) - flag
-        tl.store(out_row + pos.to(tl.int64) * o_s1, key.to(tl.int32, bitcast=True), mask=inside)
+        tl.store(_half_slots(out_row, pos, o_s1), (offs - start).to(tl.int16), mask=flag != 0)
         tl.debug_barrier()
         p = tl.arange(0, CAP)
-        x = tl.load(out_row + p.to(tl.int64) * o_s1, mask=p < c_lo - c_hi, other=0).to(tl.uint32, bitcast=True)
-        c_out = c_hi                           # the keys above the interval, which x leaves out
-        while lo < top:
-            span = top - lo + 1
-            t1 = lo + tl.maximum(span // 3, 1)
-            t2 = lo + tl.maximum(2 * span // 3, 1)
-            packed = tl.sum((x >= t1.to(tl.uint32)).to(tl.int32) + ((x >= t2.to(tl.uint32)).to(tl.int32) << 16), 0)
-            c1 = c_out + (packed & 0xFFFF)
-            c2 = c_out + (packed >> 16)
-            in2 = c2 >= TOPK                   # T >= t2
-            in1 = c1 >= TOPK                   # T >= t1
-            top = tl.where(in2, top, tl.where(in1, t2 - 1, t1 - 1))
-            c_hi = tl.where(in2, c_hi, tl.where(in1, c2, c1))
-            lo = tl.where(in2, t2, tl.where(in1, t1, lo))
-    return lo.to(tl.uint32), c_hi
+        inside = p < c_lo
+        col = tl.load(_half_slots(out_row, p, o_s1), mask=inside, other=0).to(tl.int32)
+        x = _load_keys(row, tl.where(inside, col + start, cols), start, n, s1, cols)[0]
+        tl.debug_barrier()                     # every slot is read before the selection overwrites it
+        thr, above = _short_search(x, lo, top, c_hi, TOPK, LIMIT)
+        _select_store(x, col, inside, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK)
+    else:
+        _select_store(key, offs - start, key != 0, lo.to(tl.uint32), TOPK - c_hi, 0, 0, out_row, o_s1, TOPK)
 
 
 @triton.jit
@@ -185,14 +234,6 @@ def _tiles_histogram(row, offs, start, n, s1, cols, prefix, SHIFT: tl.constexpr,
         key, live = _load_keys(row, j, start, n, s1, cols)
         hist += _digit_histogram(key, live, prefix, SHIFT, WIDTH, FIRST)
     return hist
-
-
-@triton.jit
-def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr):
-    """A window of at most BLOCK columns: its keys stay in registers through the search and the store."""
-    key, _ = _load_keys(row, offs, start, n, s1, cols)         # key 0 marks the lanes outside the window
-    thr, above = _tile_threshold(key, n, out_row, o_s1, TOPK, CAP)
-    _select_store(key, offs - start, key != 0, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK)
 
 
 @triton.jit
@@ -300,8 +341,8 @@ def num_warps(target: platform.Target, block: int, stream: bool = False) -> int:
 def constexprs(mode: int, n_cols: int, topk: int, target: platform.Target) -> dict:
     block = tile_for(n_cols)
     return dict(MODE=mode, TOPK=topk, BLOCK=block, OUT_BLOCK=min(OUT_BLOCK_MAX, triton.next_power_of_2(topk)),
-                ALIGN=ALIGN, RADIX=radix_bits(), CAP=min(triton.next_power_of_2(topk), block), STREAM=n_cols > block,
-                PDL=platform.supports_pdl(target), num_warps=num_warps(target, block, n_cols > block))
+                ALIGN=ALIGN, RADIX=radix_bits(), CAP=min(2 * triton.next_power_of_2(topk), block),
+                STREAM=n_cols > block, PDL=platform.supports_pdl(target), num_warps=num_warps(target, block, n_cols > block))
 
 
 def runtime_args(n_cols: int, stride0: int, stride1: int, a_strides, b_s0: int, out_strides, next_n: int,
