@@ -444,8 +444,8 @@ def test_gather_example_window_offset(device, table_dtype, form):
 
 def test_gather_hostile(device):
     """Table entries < 0 / >= num_blocks / INT32_MIN give zero rows; gather_lens > seq_lens gives
-    zeros for the negative positions; rows past out's width are skipped; offset >= W writes nothing;
-    negative lengths write nothing."""
+    zeros for the negative positions; rows past out's width are skipped; positions past a table's
+    columns give zero rows; offset >= W writes nothing; negative lengths write nothing."""
     bs = 16
     case = GatherCase([40, 20, 5], bs=bs, seed=3, extra_cols=2)
     table = case.table.clone()
@@ -465,6 +465,11 @@ def test_gather_hostile(device):
     # offset at / past W: nothing written; R rows of out beyond seq_lens untouched (out has 4 rows, R = 3)
     for offset in (12, 40):
         assert_bitwise_equal(case.run(device, out, [30, 25, 3], offset, table=table), out, f"offset {offset}")
+    # a table narrower than the sequence: request 0's positions 32..39 lie past its 2 columns (zeros)
+    narrow = table[:, :2].contiguous()
+    got = case.run(device, out, [10, 0, 0], 2, table=narrow)     # request 0 rows 2..11 <- positions 30..39
+    assert_bitwise_equal(got[0, 2:12], torch.zeros(10, layout.HEAD_DIM, dtype=torch.bfloat16), "past the table")
+    assert_bitwise_equal(got[1:], out[1:], "gather_lens 0: nothing")
     # negative seq_lens with gather_lens None: nothing
     case.seq_t = torch.tensor([-4, 0, 5], dtype=torch.int32)
     got = case.run(device, out, None, 0, table=table)
