@@ -287,6 +287,20 @@ def test_radix_bits_per_triton_version():
     assert kernels.tile_for(10**6) == kernels.TILE_MAX <= 16384
 
 
+def test_register_cap_rule():
+    """NVIDIA in-register tiles of at most REG_CAP_WARPS warps are compiled with REG_CAP registers (4 programs per
+    SM); 8-warp tiles, streamed rows and other backends are not capped."""
+    from torch_dsv4_ops import platform
+
+    cuda = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda")
+    hip = next(t for t in platform.MATRIX_TARGETS if t.backend == "hip")
+    prefill = kernels.constexprs(kernels.MODE_PREFILL, 8192, 512, cuda)
+    assert prefill["num_warps"] <= kernels.REG_CAP_WARPS and prefill["maxnreg"] == kernels.REG_CAP["cuda"]
+    assert "maxnreg" not in kernels.constexprs(kernels.MODE_DECODE_1D, 16384, 512, cuda)      # 8 warps
+    assert "maxnreg" not in kernels.constexprs(kernels.MODE_PREFILL, 4 * kernels.TILE_MAX, 512, cuda)   # streamed
+    assert "maxnreg" not in kernels.constexprs(kernels.MODE_PREFILL, 8192, 512, hip)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_empty_work(device, impl):
     """num_rows = 0: nothing written; N = 0 and seq_lens with no rows: every row [-1 ...]."""

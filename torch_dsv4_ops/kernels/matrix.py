@@ -25,7 +25,7 @@ TRITON_DTYPE = {
     torch.float8_e4m3fnuz: "fp8e4b8",
 }
 INT32_RANGE = range(-2**31, 2**31)
-COMPILE_OPTIONS = ("num_stages", "enable_fp_fusion")   # launch keywords that select a compiled kernel
+COMPILE_OPTIONS = ("num_stages", "enable_fp_fusion", "maxnreg")   # launch keywords that select a compiled kernel
 LAUNCH_ONLY = ("launch_pdl",)                          # launch keywords that do not
 
 
