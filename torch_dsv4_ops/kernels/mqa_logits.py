@@ -265,18 +265,14 @@ def _score_tile(codes, sc, ok, k, qv, w, lens, qv1, w1, lens1, q_ptr, w_ptr, ctx
     (group, chunk) products use the resident (qv, w) and (qv1, w1), with lens / lens1 the groups' key counts;
     more reload their query rows per tile."""
     kt = _operand(codes, K_FMT, K_SW, DOT_MODE)
-    if GROUPS * CHUNKS == 1:
-        _store_group(_group_logits(kt, qv, w, BLOCK_N, GQ, HC, DOT_MODE), sc, ok, k, lens, out_ptr, row0, 0,
-                     max_len, o_s0, NEXT_N, GQ)
-    elif GROUPS == 2 and CHUNKS == 1:
-        _store_group(_group_logits(kt, qv, w, BLOCK_N, GQ, HC, DOT_MODE), sc, ok, k, lens, out_ptr, row0, 0,
-                     max_len, o_s0, NEXT_N, GQ)
-        _store_group(_group_logits(kt, qv1, w1, BLOCK_N, GQ, HC, DOT_MODE), sc, ok, k, lens1, out_ptr, row0, 1,
-                     max_len, o_s0, NEXT_N, GQ)
-    elif GROUPS == 1 and CHUNKS == 2:
-        acc = _group_logits(kt, qv, w, BLOCK_N, GQ, HC, DOT_MODE) + _group_logits(kt, qv1, w1, BLOCK_N, GQ, HC,
-                                                                                 DOT_MODE)
+    if GROUPS * CHUNKS <= 2:                   # resident: (group 0, chunk 0), and group 1 or chunk 1
+        acc = _group_logits(kt, qv, w, BLOCK_N, GQ, HC, DOT_MODE)
+        if CHUNKS == 2:
+            acc += _group_logits(kt, qv1, w1, BLOCK_N, GQ, HC, DOT_MODE)
         _store_group(acc, sc, ok, k, lens, out_ptr, row0, 0, max_len, o_s0, NEXT_N, GQ)
+        if GROUPS == 2:
+            _store_group(_group_logits(kt, qv1, w1, BLOCK_N, GQ, HC, DOT_MODE), sc, ok, k, lens1, out_ptr, row0, 1,
+                         max_len, o_s0, NEXT_N, GQ)
     else:
         for g in tl.static_range(GROUPS):
             acc = tl.zeros((BLOCK_N, GQ), tl.float32)
