@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torch_dsv4_ops
-from torch_dsv4_ops import layout, platform
+from torch_dsv4_ops import compile_matrix, layout, platform
 from torch_dsv4_ops.compile_matrix import TARGETS_BY_NAME, error_summary
 from torch_dsv4_ops.kernels import _launch, cache as cache_kernels, mqa_logits as mqa_logits_kernels
 
@@ -289,3 +289,28 @@ def test_matrix_launch_matches_the_launcher(monkeypatch, spec, options):
     assert [t.data_ptr() % 16 == 0 for t in runtime[:n]] == [p.aligned for p in tensors], name
     assert tuple(runtime[n:]) == tuple(ints), name
     assert meta == expected_meta, name
+
+
+SPARSE_MLA = "torch_dsv4_ops.kernels.sparse_mla"
+
+
+def test_shared_memory_limits_of_the_targets():
+    limits = {name: platform.shared_memory_limit(t) for name, t in TARGETS_BY_NAME.items()}
+    assert limits == {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448, "sm_100": 232448,
+                      "sm_120": 101376, "gfx90a": 65536, "gfx942": 65536, "gfx950": 163840}
+    assert platform.shared_memory_limit(platform.INTERPRETER_TARGET) > limits["sm_90"]
+
+
+@pytest.mark.parametrize("shared,ok", [(65536, True), (65537, False)])
+def test_a_case_over_its_targets_shared_memory_fails(monkeypatch, shared, ok):
+    """A case that compiles but needs more shared memory than its target has is a failed case."""
+    class Compiled:
+        metadata = type("Metadata", (), {"shared": shared})()
+        asm = {}
+
+    case = type("Case", (), {"num_warps": 8, "signature": {}, "constexprs": {}})()
+    monkeypatch.setattr(compile_matrix, "module_cases", lambda module, target: {"case": case})
+    monkeypatch.setattr(compile_matrix, "compile_case", lambda case, target: Compiled())
+    result = compile_matrix.run_case(SPARSE_MLA, "gfx942", "case")
+    assert (result.ok, result.shared) == (ok, shared)
+    assert ("65536" in result.error) == (not ok)

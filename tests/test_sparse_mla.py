@@ -438,6 +438,37 @@ def test_decode_wide_shapes(device, name):
     check_decode(case, out, lse, f"{name} [{impl}]")
 
 
+# The plans of GPUs with less shared memory (sm_80: 163 KB; sm_86/89/120: 99 KB), run on this GPU: their tiles
+# (32-row steps, 32-head blocks) must give the same results. The compile matrix checks that they fit.
+SMALLER_SHARED_MEMORY = {"sm_80": 166912, "sm_86": 101376}
+
+
+@pytest.mark.parametrize("gpu", list(SMALLER_SHARED_MEMORY))
+def test_smaller_shared_memory_plans(device, gpu, monkeypatch):
+    if device.type == "cpu":
+        pytest.skip("the interpreter has one tile plan")
+    from torch_dsv4_ops import platform
+    from torch_dsv4_ops.kernels import sparse_mla as kernels
+    from torch_dsv4_ops.ops import sparse_mla as ops
+
+    target = platform.target_for(device)
+    monkeypatch.setattr(platform, "shared_memory_limit", lambda t: SMALLER_SHARED_MEMORY[gpu])
+    assert kernels.tiles(target, False)["BLOCK_N"] == 32 and kernels.tiles(target, True)["BLOCK_N"] == 32
+    assert kernels.max_block_h(target) == (32 if gpu == "sm_86" else 64)
+    for plans in (ops._DECODE_PLANS, ops._PREFILL_PLANS):
+        monkeypatch.setattr(plans, "remember", lambda sig, plan: plan)   # neither reuse nor keep these plans
+        plans.clear()
+    for name in ("h64-c4a-wide-sq2", "h80-two-head-blocks"):
+        case = DecodeCase(REF_ONLY_ON_CPU[name], device)
+        out, lse = run_decode(case, "kernel")
+        check_decode(case, out, lse, f"{name} [{gpu} plan]")
+    case = PrefillCase(PrefillSpec(hq=64, tokens=12, skv=300, width=200, nan_rows=40, seed=120), device)
+    with implementation("kernel", device):
+        out, max_logits, lse = d.flash_mla_sparse_fwd(case.q, case.kv, case.idx, case.spec.scale,
+                                                      attn_sink=case.sink, topk_length=case.lens)
+    check_prefill(case, out, max_logits, lse, f"prefill [{gpu} plan]")
+
+
 # ================================================================================================
 # Worked example (docs/ops/sparse_mla.md §4), literal
 # ================================================================================================

@@ -7,7 +7,8 @@
 Each kernel module listed in `MATRIX_MODULES` provides `matrix_cases(target) -> list[KernelCase]`
 (kernels/matrix.py). Every case is compiled to PTX+cubin (CUDA) or AMDGCN+hsaco (HIP) in a process
 pool; the fp8 conversion instructions of each result are recorded, so tests can check which fp8 path
-(hardware casts or the software codec) each target really compiled. A probe also compiles the
+(hardware casts or the software codec) each target really compiled. A case whose shared memory exceeds
+`platform.shared_memory_limit` of its target fails: it compiles, but could not launch there. A probe also compiles the
 hardware fp8 casts alone for each format and target, to check `platform.native_fp8` against Triton.
 
 `--scope ci` (what the CPU suite runs, within CI's time budget) compiles every case on the targets of
@@ -96,6 +97,7 @@ class CaseResult:
     signature: dict = dataclasses.field(default_factory=dict)
     constexprs: dict = dataclasses.field(default_factory=dict)
     fp8_instructions: list = dataclasses.field(default_factory=list)   # fp8 cvt mnemonics in the PTX/AMDGCN
+    shared: int = 0                                                     # bytes of shared memory (LDS) per program
 
 
 def compile_case(case: KernelCase, target: platform.Target):
@@ -150,7 +152,12 @@ def run_case(module: str, target: str, name: str) -> CaseResult:
     start = time.perf_counter()
     try:
         compiled = compile_case(case, tgt)
-        result.ok = True
+        result.shared = int(compiled.metadata.shared)
+        limit = platform.shared_memory_limit(tgt)
+        if result.shared > limit:   # compiles, but would fail to launch ("out of resources")
+            result.error = f"needs {result.shared} bytes of shared memory; {target} has {limit}"
+        else:
+            result.ok = True
         result.fp8_instructions = fp8_instructions(compiled, tgt)
     except Exception as exc:   # a failed compile is a result, not a crash
         result.error = _error_text(exc)

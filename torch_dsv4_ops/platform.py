@@ -93,6 +93,26 @@ def fast_fp64(target: Target) -> bool:
     return target.backend in ("hip", "interpreter")
 
 
+# Shared memory one program may use (bytes, the opt-in maximum per block): NVIDIA data-centre parts (A100, H100,
+# B200) and the rest (the 99 KB of sm_86/89/120), AMD LDS (64 KB on CDNA2/3, 160 KB on CDNA4).
+_SHARED_MEMORY = {80: 166912, 87: 166912, 90: 232448, 100: 232448, 103: 232448}
+_SHARED_MEMORY_OTHER_CUDA = 101376
+_SHARED_MEMORY_HIP = {"gfx950": 163840}
+_SHARED_MEMORY_OTHER_HIP = 65536
+
+
+def shared_memory_limit(target: Target) -> int:
+    """Bytes of shared memory (LDS on AMD) one program can have on `target`; unbounded under the interpreter.
+
+    Kernels pick tiles that fit it (a launch over the limit fails with "out of resources"); the compile matrix
+    checks every case against it."""
+    if target.backend == "cuda":
+        return _SHARED_MEMORY.get(target.arch, _SHARED_MEMORY_OTHER_CUDA)
+    if target.backend == "hip":
+        return _SHARED_MEMORY_HIP.get(str(target.arch).split(":")[0], _SHARED_MEMORY_OTHER_HIP)
+    return 1 << 62
+
+
 def supports_pdl(target: Target) -> bool:
     """Programmatic dependent launch (griddepcontrol): NVIDIA sm_90 and newer."""
     return target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 90

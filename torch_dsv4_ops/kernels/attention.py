@@ -727,7 +727,9 @@ def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target)
         return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1, per_sm=PROGRAMS_PER_SM,
                     prefetch=prefetch, k_groups=not prefetch)
     if geo.block_d > 128 or q_dtype == torch.float32:
-        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=4, num_stages=2, per_sm=PROGRAMS_PER_SM // 2)
+        # 2 stages need 147 KB at fp32 x 256 dims on sm_86 (99 KB) and 67.5 KB on gfx942 (64 KB); 1 stage 80 KB
+        stages = 2 if platform.shared_memory_limit(target) >= WIDE_TWO_STAGE_SMEM else 1
+        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=4, num_stages=stages, per_sm=PROGRAMS_PER_SM // 2)
     if kv_fp8:
         return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=1, num_stages=2, per_sm=PROGRAMS_PER_SM)
     if prefetch:
@@ -737,6 +739,7 @@ def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target)
 
 
 PREFETCH_MAX_ROWS = 16         # decode: the register-prefetch loop for groups of at most this many query heads
+WIDE_TWO_STAGE_SMEM = 160 * 1024   # decode of fp32 or > 128 dims: 2 stages where a program has this much shared memory
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4            # decode programs per SM the split count aims at (more: no faster, H100)

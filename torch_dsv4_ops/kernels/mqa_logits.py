@@ -47,6 +47,7 @@ MIN_DOT = 16                             # the smallest M/N/K of a tl.dot
 # Tiles, swept on an H100 (benchmarks/NOTES.md "Indexer logits"). QH: query rows (queries x padded heads) of
 # one product.
 PREFILL_TILE = dict(BLOCK_N=128, QH=256, num_warps=4, num_stages=2)
+PREFILL_TILE_SMEM = 160 * 1024           # shared memory a program needs for PREFILL_TILE; below it, 128-row products
 # Paged: 64-key tiles (one page of the DSV4 indexer cache), pipelined in registers by the kernel itself (one stage).
 # An optional "maxnreg" caps the registers (the sweep's; 168 and 128 spilled and lost).
 PAGED_TILE = dict(BLOCK_N=64, QH=128, num_warps=4, num_stages=1)
@@ -378,7 +379,12 @@ FILL_LAUNCHER = FastLauncher(zero_fill_kernel)
 def _tile(target: platform.Target, paged: bool) -> dict:
     if target.backend == "interpreter":
         return dict(INTERPRETER_TILE)
-    return dict(PAGED_TILE if paged else PREFILL_TILE)
+    if paged:
+        return dict(PAGED_TILE)
+    if platform.shared_memory_limit(target) < PREFILL_TILE_SMEM:
+        # 256-row products of one head need 144 KB on sm_86 (99 KB) and 80 KB on gfx942 (64 KB); 128 rows 80 / 48 KB
+        return dict(PREFILL_TILE, QH=128)
+    return dict(PREFILL_TILE)
 
 
 def head_split(heads: int, queries: int, qh: int) -> tuple[int, int, int]:

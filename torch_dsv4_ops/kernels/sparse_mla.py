@@ -37,6 +37,8 @@ MAX_SPLITS = 32
 PROGRAMS_PER_SM = 1               # one 8-warp program fills an SM's registers (acc [64, 512] fp32)
 MIN_TILES_PER_SPLIT = 1
 SMALL_DECODE_ROWS = 4             # decode calls of at most this many query rows: 16-head blocks, 32-row steps
+SMEM_64_ROW_STEPS = 200 * 1024    # shared memory (bytes) that 64-head blocks with 64-row steps need on NVIDIA (sm_90)
+SMEM_64_HEADS = 160 * 1024        # ... with 32-row steps (sm_80); below it (sm_86/89/120: 99 KB), 32-head blocks
 
 
 @triton.jit
@@ -62,8 +64,12 @@ def _fp8_rows(cache_ptr, slot, ok, page_stride, BS: tl.constexpr, FMT: tl.conste
     tl.static_assert(D - NOPE == QB)
     rope_ptr = (cache_ptr + data + NOPE).to(tl.pointer_type(tl.int16))
     rope = tl.load(rope_ptr[:, None] + tl.arange(0, QB)[None, :], mask=ok[:, None], other=0)
-    sbytes = tl.load(cache_ptr + (page + BS * DATA_BYTES + off * SCALE_BYTES)[:, None] + qb[None, :],
-                     mask=ok[:, None] & nope[None, :], other=0).to(tl.int32)
+    # the token's 8 scale bytes as one word (pointer and page stride are multiples of 8), so that the pipeliner
+    # copies it asynchronously with the codes
+    tl.static_assert(SCALE_BYTES == 8)
+    sword_ptr = (cache_ptr + page + BS * DATA_BYTES + off * SCALE_BYTES).to(tl.pointer_type(tl.int64))
+    sword = tl.load(sword_ptr, mask=ok, other=0)
+    sbytes = ((sword[:, None] >> (8 * qb[None, :]).to(tl.int64)) & 0xFF).to(tl.int32)
     # 2^(byte - 127) from its bits; byte 0 is the subnormal 2^-127
     scale = tl.where(sbytes == 0, 1 << 22, sbytes << 23).to(tl.float32, bitcast=True)
     nope_val = fp8_decode(codes, FMT, SW) * scale[:, :, None]
@@ -245,40 +251,59 @@ def small_decode(rows: int) -> bool:
     return rows <= SMALL_DECODE_ROWS
 
 
-def block_h(hq: int, small: bool = False) -> int:
-    """Heads per program: Hq padded to a power of two, at least MIN_BLOCK_H, at most MAX_BLOCK_H (MIN_BLOCK_H for
-    a `small_decode`)."""
-    return min(MIN_BLOCK_H if small else MAX_BLOCK_H, max(MIN_BLOCK_H, triton.next_power_of_2(max(hq, 1))))
+def max_block_h(target: platform.Target) -> int:
+    """The most heads per program: MAX_BLOCK_H, or 32 where a program has 99 KB of shared memory (sm_86/89/120)."""
+    small_smem = target.backend == "cuda" and platform.shared_memory_limit(target) < SMEM_64_HEADS
+    return 32 if small_smem else MAX_BLOCK_H
 
 
-def head_blocks(hq: int, small: bool = False) -> int:
-    return layout.cdiv(max(hq, 1), block_h(hq, small))
+def block_h(hq: int, target: platform.Target, small: bool = False) -> int:
+    """Heads per program: Hq padded to a power of two, at least MIN_BLOCK_H, at most `max_block_h` (MIN_BLOCK_H
+    for a `small_decode`)."""
+    cap = MIN_BLOCK_H if small else max_block_h(target)
+    return min(cap, max(MIN_BLOCK_H, triton.next_power_of_2(max(hq, 1))))
 
 
-def tiles(target: platform.Target, prefill: bool, small: bool = False) -> dict:
-    """BLOCK_N rows per step, warps and stages (`small`: a `small_decode`)."""
+def head_blocks(hq: int, target: platform.Target, small: bool = False) -> int:
+    return layout.cdiv(max(hq, 1), block_h(hq, target, small))
+
+
+def tiles(target: platform.Target, prefill: bool, small: bool = False, split: bool = True) -> dict:
+    """BLOCK_N rows per step, warps and stages (`small`: a `small_decode`; `split`: a decode launch of split
+    partials), within the target's shared memory (the compile matrix checks each case against it)."""
     if target.backend == "interpreter":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if small and not prefill:
         # H100 (NOTES.md, "Sparse MLA at small batches"): twice the splits of shorter steps, no pipelining
         return dict(BLOCK_N=32, num_warps=8, num_stages=1)
-    # H100 sweep (benchmarks/NOTES.md, "Sparse MLA"): 64 x 8 warps beat 32/16 rows, 4/16 warps and 3 stages
-    return dict(BLOCK_N=64, num_warps=8, num_stages=2)
+    smem = platform.shared_memory_limit(target)
+    if target.backend == "hip":
+        # 64 KB of LDS on CDNA2/3 holds one 64-row stage at 64 heads; CDNA4 has 160 KB
+        return dict(BLOCK_N=64, num_warps=8, num_stages=2 if smem >= SMEM_64_HEADS else 1)
+    if smem < SMEM_64_HEADS:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1)       # 32-head blocks: 96 KB on sm_86
+    if smem < SMEM_64_ROW_STEPS or (prefill and target.arch != 90):
+        return dict(BLOCK_N=32, num_warps=8, num_stages=1)       # sm_80: 128 KB; sm_100 prefill (2 stages: 257 KB)
+    # H100 sweeps (benchmarks/NOTES.md, "Sparse MLA" and "Sparse MLA: the scale word"): 64 x 8 warps beat
+    # 32/16 rows and 4/16 warps; 3 stages win for unsplit decode launches only (measured on sm_90)
+    deep = target.arch == 90 and not (prefill or split)
+    return dict(BLOCK_N=64, num_warps=8, num_stages=3 if deep else 2)
 
 
-def max_splits(rows: int, hq: int, multiprocessor_count: int) -> int:
-    """The most parts a decode row's selection is split into, from shapes and the SM count only: as many
+def max_splits(rows: int, hq: int, multiprocessor_count: int, target: platform.Target) -> int:
+    """The most parts a decode row's selection is split into, from shapes, the target and the SM count: as many
     as keep the programs within one wave of PROGRAMS_PER_SM per multiprocessor (a partial second wave
     would double the time of the first), at least 1, at most MAX_SPLITS."""
-    programs = max(rows * head_blocks(hq, small_decode(rows)), 1)
+    programs = max(rows * head_blocks(hq, target, small_decode(rows)), 1)
     return max(1, min(PROGRAMS_PER_SM * multiprocessor_count // programs, MAX_SPLITS))
 
 
-def decode_splits(rows: int, hq: int, positions: int, block_n: int, multiprocessor_count: int) -> int:
+def decode_splits(rows: int, hq: int, positions: int, block_n: int, multiprocessor_count: int,
+                  target: platform.Target) -> int:
     """Splits of a decode call: `max_splits`, and at least MIN_TILES_PER_SPLIT tiles of the `positions`
     (main + extra index columns) per split."""
     per = layout.cdiv(max(positions, 1), block_n * MIN_TILES_PER_SPLIT)
-    return max(1, min(max_splits(rows, hq, multiprocessor_count), per))
+    return max(1, min(max_splits(rows, hq, multiprocessor_count, target), per))
 
 
 def workspace_elements(rows: int, hq: int, splits: int) -> tuple[int, int]:
@@ -292,7 +317,7 @@ def constexprs(target: platform.Target, main: Source, extra: Source | None, has_
     """Constexprs (with num_warps/num_stages) of `sparse_mla_kernel` (`small`: a `small_decode`)."""
     interpret = target.backend == "interpreter"
     small = small and not prefill
-    tile = tiles(target, prefill, small)
+    tile = tiles(target, prefill, small, split)
 
     def codec(src: Source) -> tuple[int, bool]:
         fmt = fp8_format(src.fnuz)
@@ -304,7 +329,7 @@ def constexprs(target: platform.Target, main: Source, extra: Source | None, has_
     return dict(SOURCE=SOURCE_BF16 if prefill else SOURCE_FP8, BS=main.bs or 1, FMT=fmt, SW=sw,
                 EXTRA=extra is not None, X_BS=x.bs or 1, X_FMT=x_fmt, X_SW=x_sw, HAS_LEN=has_len,
                 HAS_X_LEN=has_x_len and extra is not None, SINKS=sinks, SPLIT=split, WRITE_MAX=prefill,
-                BLOCK_H=block_h(hq, small), BLOCK_N=tile["BLOCK_N"], D=layout.HEAD_DIM, NOPE=layout.NOPE_DIM,
+                BLOCK_H=block_h(hq, target, small), BLOCK_N=tile["BLOCK_N"], D=layout.HEAD_DIM, NOPE=layout.NOPE_DIM,
                 QB=layout.QUANT_BLOCK, DATA_BYTES=layout.TOKEN_DATA_BYTES, SCALE_BYTES=layout.SCALE_BYTES,
                 DOT_F32=interpret, O_BITS=interpret, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
 

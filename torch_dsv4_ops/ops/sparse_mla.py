@@ -230,7 +230,7 @@ def sparse_mla_workspace_size(B: int, s_q: int, Hq: int, device) -> int:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be an int >= 0, got {v!r}")
     device = torch.device(device)
-    splits = kernels.max_splits(B * s_q, Hq, kernels.device_multiprocessors(device))
+    splits = kernels.max_splits(B * s_q, Hq, kernels.device_multiprocessors(device), platform.target_for(device))
     if SPLITS.forced is not None:
         splits = max(splits, SPLITS.forced)
     elements, _ = kernels.workspace_elements(B * s_q, Hq, splits)
@@ -264,7 +264,7 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     small = kernels.small_decode(checked.rows)
     block_n = kernels.tiles(target, False, small)["BLOCK_N"]
     splits = forced or kernels.decode_splits(checked.rows, checked.hq, width + x_width, block_n,
-                                             kernels.device_multiprocessors(device))
+                                             kernels.device_multiprocessors(device), target)
     elements, ml_base = kernels.workspace_elements(checked.rows, checked.hq, splits)
     if splits == 1:
         elements = 0
@@ -288,8 +288,8 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
             out.stride(0), out.stride(1), out.stride(2), *_strides3(lse), 0, 0)
     dtypes = (torch.bfloat16, torch.uint8, torch.int32, torch.int32, torch.uint8, torch.int32, torch.int32,
               torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.float32)
-    launch = kernels.SPARSE_LAUNCHER.bind((checked.rows, kernels.head_blocks(checked.hq, small), splits), dtypes, ints,
-                                          meta, device)
+    grid = (checked.rows, kernels.head_blocks(checked.hq, target, small), splits)
+    launch = kernels.SPARSE_LAUNCHER.bind(grid, dtypes, ints, meta, device)
     if splits == 1:
         return DecodePlan(launch, None, 0)
     cmeta = kernels.launch_options(kernels.combine_constexprs(target, attn_sink is not None, splits))
@@ -411,8 +411,8 @@ def _prefill_plan(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_log
             max_logits.stride(1))
     dtypes = (torch.bfloat16,) * 2 + (torch.int32,) * 2 + (torch.bfloat16,) + (torch.int32,) * 2 \
         + (torch.float32, torch.bfloat16) + (torch.float32,) * 3
-    return kernels.SPARSE_LAUNCHER.bind((checked.tokens, kernels.head_blocks(checked.hq), 1), dtypes, ints, meta,
-                                        q.device)
+    grid = (checked.tokens, kernels.head_blocks(checked.hq, target), 1)
+    return kernels.SPARSE_LAUNCHER.bind(grid, dtypes, ints, meta, q.device)
 
 
 def _prefill_run(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse) -> None:
