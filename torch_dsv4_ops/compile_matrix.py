@@ -8,8 +8,8 @@ Each kernel module listed in `MATRIX_MODULES` provides `matrix_cases(target) -> 
 (kernels/matrix.py). Every case is compiled to PTX+cubin (CUDA) or AMDGCN+hsaco (HIP) in a process
 pool; the fp8 conversion instructions of each result are recorded, so tests can check which fp8 path
 (hardware casts or the software codec) each target really compiled. A case whose shared memory exceeds
-`platform.shared_memory_limit` of its target fails: it compiles, but could not launch there. A probe also compiles the
-hardware fp8 casts alone for each format and target, to check `platform.native_fp8` against Triton.
+`platform.shared_memory_limit` of its target fails: it compiles, but could not launch there. A probe also
+compiles the hardware fp8 casts alone for each format and target, to check `platform.native_fp8` against Triton.
 
 `--scope ci` (what the CPU suite runs, within CI's time budget) compiles every case on the targets of
 `CI_FULL_TARGETS` (none at present) and, on the other targets, a covering subset of each `CI_COVER_MODULES`

@@ -727,7 +727,7 @@ def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target)
         return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1, per_sm=PROGRAMS_PER_SM,
                     prefetch=prefetch, k_groups=not prefetch)
     if geo.block_d > 128 or q_dtype == torch.float32:
-        # 2 stages need 147 KB at fp32 x 256 dims on sm_86 (99 KB) and 67.5 KB on gfx942 (64 KB); 1 stage 80 KB
+        # 2 stages need 147 KB at fp32 x 256 dims on sm_86 (99 KB) and 67.5 KB on gfx942 (64 KB); 1 stage 80 / 32 KB
         stages = 2 if platform.shared_memory_limit(target) >= WIDE_TWO_STAGE_SMEM else 1
         return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=4, num_stages=stages, per_sm=PROGRAMS_PER_SM // 2)
     if kv_fp8:
