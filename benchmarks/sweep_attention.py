@@ -4,7 +4,7 @@
 Times the benchmark's decode and mixed-step cases (benchmarks/bench_attention.py) under each tile
 setting of `kernels/attention.py` (patched in place of `decode_tiles` / `prefill_tiles`) and prints
 one line per (setting, case): median µs by do_bench and GB/s. The committed defaults come from it.
---prefetch sweeps the decode kernel's register-prefetch loop (PREFETCH) instead of its tiles; --bf16-only
+--prefetch sweeps the decode kernel's register-prefetch loop (LOOP_REGISTERS) instead of its tiles; --bf16-only
 leaves out the fp8-cache cases; SWEEP_PREFILL="128x64x8x2,64x32x4x1,..." picks the prefill tiles (BLOCK_M x
 BLOCK_N x warps x stages) to time instead of all 24.
 """
@@ -77,7 +77,15 @@ def main() -> int:
             def tiles(geo, q_dtype, kv_fp8, target, block_n=block_n, warps=warps, stages=stages, per_sm=per_sm,
                       k_groups=k_groups):
                 t = dict(original_decode(geo, q_dtype, kv_fp8, target), BLOCK_N=block_n, num_warps=warps,
-                         num_stages=stages, per_sm=per_sm, prefetch=prefetch)
+                         num_stages=stages, per_sm=per_sm)
+                loop = t.get("loop", kernels.LOOP_PIPELINE)
+                if prefetch:
+                    loop = kernels.LOOP_REGISTERS
+                elif loop == kernels.LOOP_REGISTERS:   # the tile sweep times float caches in Triton's pipeline
+                    loop = kernels.LOOP_PIPELINE
+                t["loop"] = loop
+                if loop == kernels.LOOP_TABLE_CHUNKS:   # fp8 caches keep their loop
+                    t["chunk"] = kernels.table_chunk(geo.bs, block_n, target)
                 return t if k_groups == "default" else dict(t, k_groups=k_groups)
             kernels.decode_tiles = tiles
         _reset()

@@ -652,6 +652,9 @@ FEATURES = {
     "fp8-e5m2-uint8": BASE.replace(kv="fp8_e5m2", cache_dtype=torch.uint8, dtype=torch.float16, seed=33),
     "fp8-e5m2-typed": BASE.replace(kv="fp8_e5m2", cache_dtype=torch.float8_e5m2, dtype=torch.float32, seed=34),
     "fp8-cache-kv": BASE.replace(**FP8, dense=False, seed=35),
+    # fp8 decode's table chunks (the interpreter's: 2 tiles of 16 keys) straddle blocks of 40 keys: a chunk's 32
+    # keys span 2 table columns
+    "fp8-bs40": BASE.replace(**FP8, bs=40, q_lens=(1, 1, 3), seq_lens=(100, 75, 50), seed=56),
     # fp8 output with a scale (e4m3fn, e5m2; a small scale saturates some outputs)
     "fp8-out-e4m3": BASE.replace(out_dtype=torch.float8_e4m3fn, seed=36),
     "fp8-out-e5m2": BASE.replace(out_dtype=torch.float8_e5m2, dtype=torch.float16, seed=37),
@@ -770,6 +773,47 @@ def test_ragged_batch(device, variant):
     impl = "reference" if small else "kernel"
     for op in ("ctx", "chunked"):
         run_and_check(case, op, impl, what=f"ragged {variant} {op}")
+
+
+# ================================================================================================
+# Decode split plans and table chunks (host ints)
+# ================================================================================================
+@pytest.mark.parametrize("per_sm", [4, 11])
+def test_decode_split_counts(per_sm):
+    """With at_most, the split count is the largest whose (request x kv head x split) programs fit per_sm per SM
+    (one wave), bounded by MIN_KEYS_PER_SPLIT keys per part and MAX_SPLITS; without it, the smallest that reaches
+    per_sm per SM, under the same bounds."""
+    k = attention_kernels
+    for requests, hkv, keys, sms in [(64, 8, 4096, 132), (256, 8, 1024, 132), (1, 8, 32768, 132), (1, 1, 300, 132),
+                                     (3, 2, 10**6, 78), (1000, 8, 4096, 132), (0, 8, 4096, 132), (2, 4, 0, 16)]:
+        programs, slots = max(requests * hkv, 1), per_sm * sms
+        cap = min(-(-max(keys, 1) // k.MIN_KEYS_PER_SPLIT), k.MAX_SPLITS)
+        fit = k.decode_splits(requests, hkv, keys, sms, per_sm, at_most=True)
+        fill = k.decode_splits(requests, hkv, keys, sms, per_sm)
+        assert 1 <= fit <= fill <= cap
+        assert fit == 1 or programs * fit <= slots
+        assert fit == cap or programs * (fit + 1) > slots
+        assert fill == cap or programs * fill >= slots
+        assert fill == 1 or fill == cap or programs * (fill - 1) < slots
+    for splits in range(1, k.MAX_SPLITS + 1):   # the combine's tile: the smallest block that holds the splits
+        block = k.combine_block(splits)
+        assert block in k.COMBINE_BLOCKS and block >= splits and not [b for b in k.COMBINE_BLOCKS if splits <= b < block]
+
+
+def test_table_chunk_holds_its_columns():
+    """Every chunk of table_chunk's tiles, starting at any tile boundary, covers at most CHUNK_COLS table columns,
+    CHUNK_COLS is a power of two of at most TABLE_CHUNK_COLS, and the interpreter's chunks are 2 tiles."""
+    k = attention_kernels
+    gpu = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda")
+    for target in (gpu, platform.INTERPRETER_TARGET):
+        for block_n in (16, 32):
+            for bs in list(range(1, 70)) + [127, 128, 129, 544, 4096]:
+                chunk, cols = k.table_chunk(bs, block_n, target)
+                assert chunk >= 1 and cols & (cols - 1) == 0 and cols <= k.TABLE_CHUNK_COLS
+                assert chunk <= (2 if target.backend == "interpreter" else k.TABLE_CHUNK_TILES)
+                for start in range(0, 3 * bs * block_n, block_n):
+                    end = start + chunk * block_n - 1
+                    assert end // bs - start // bs + 1 <= cols, (bs, block_n, start)
 
 
 # ================================================================================================
@@ -1133,13 +1177,17 @@ def test_benchmark_sized_decode(kv):
 
 
 @pytest.mark.gpu
-def test_split_sweep_long_context():
-    """1 request x 32768 context: every forced split count agrees with the oracle and with one split."""
-    spec = _decode_spec(1, 32768, seed=140, sinks=(2.0,), fill="random").replace(seq_lens=(32768,))
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8-bs544"])
+def test_split_sweep_long_context(variant):
+    """1 request x 32768 context: every forced split count agrees with the oracle and with one split (fp8 caches:
+    one split runs 2048 tiles in 32 table chunks; at bs 544 chunks straddle blocks)."""
+    extra = dict(FP8) if variant.startswith("fp8") else {}
+    bs = 544 if variant.endswith("bs544") else 16
+    spec = _decode_spec(1, 32768, seed=140, sinks=(2.0,), fill="random", bs=bs, **extra).replace(seq_lens=(32768,))
     case = Case(spec, "cuda")
     expected = oracle(case, "chunked")
     one = None
-    for n in (1, 2, 3, 4, 7, 8, 16, 32, 64):   # forced_decode_splits accepts 1..MAX_SPLITS (64)
+    for n in (1, 2, 3, 4, 7, 8, 16, 32, 64, 128):   # forced_decode_splits accepts 1..MAX_SPLITS (128)
         out = run(case, "chunked", "kernel", splits=n)
         check_rows(case, out, expected, f"splits={n}")
         if one is None:

@@ -307,7 +307,8 @@ def _chunked_plan(query, key, value, output, kv_cache_dtype, key_cache, value_ca
         max_keys = min(max_keys, feats.sliding_window)
     tiles = kernels.decode_tiles(geo, query.dtype, numerics.kv_fp8 != layout.NOT_FP8, target)
     splits = forced_splits or kernels.decode_splits(
-        checked.requests, geo.hkv, max_keys, kernels.device_multiprocessors(device), tiles["per_sm"])
+        checked.requests, geo.hkv, max_keys, kernels.device_multiprocessors(device), tiles["per_sm"],
+        tiles.get("at_most", False))
     c = _common_ints(checked, key_cache, value_cache, block_table, seq_lens, sm_scale, feats.table_ptr)
     meta = kernels.launch_options(kernels.decode_constexprs(geo, feats, numerics, tiles, splits))
     ints = (checked.tokens, c["sm_scale"], c["W"], c["num_blocks"], c["cache_base"], c["page_bytes"],
@@ -316,7 +317,7 @@ def _chunked_plan(query, key, value, output, kv_cache_dtype, key_cache, value_ca
     decode = kernels.DECODE_LAUNCHER.bind((checked.requests, geo.hkv, splits), decode_dtypes, ints, meta, device)
     if splits == 1:
         return ChunkedPlan(prefill, decode, None, 0)
-    meta = kernels.launch_options(kernels.combine_constexprs(geo, feats, numerics, target))
+    meta = kernels.launch_options(kernels.combine_constexprs(geo, feats, numerics, target, splits))
     combine = kernels.COMBINE_LAUNCHER.bind(
         (checked.requests, geo.hq), (dtypes[3], torch.int32, torch.float32, torch.float32, torch.float32),
         (checked.tokens, geo.hq, splits, *output.stride()), meta, device)
