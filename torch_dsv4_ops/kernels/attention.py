@@ -736,8 +736,8 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
     benchmarks/sweep_attention.py --decode-only (H100, 2026-11-25): small programs, several per SM, hide one
     another's load latency. fp8 caches (benchmarks/NOTES.md, 2026-11-27): 16-key tiles on one warp in the
     table-chunk loop (LOOP_TABLE_CHUNKS, 3 stages: two tiles' copies in flight), 174 registers on sm_90, so 11
-    programs per SM, and the split count keeps the grid within them (`at_most`): 64 x 4096 72 -> 80 %, 256 x 1024
-    76 -> 91 %, 1 x 32768 44 -> 63 % of the read ceiling. Float caches with groups of at most PREFETCH_MAX_ROWS
+    programs per SM, and the split count keeps the grid within them (`at_most`): 64 x 4096 72 -> 80 % (90.5 % with
+    the combine's tile sized to the split count), 256 x 1024 76 -> 91 %, 1 x 32768 44 -> 63 % of the read ceiling. Float caches with groups of at most PREFETCH_MAX_ROWS
     heads take the register-prefetch loop (LOOP_REGISTERS, `--prefetch`, 2026-11-26): 32-key tiles on 2 warps,
     bf16 64 x 4096 434 -> 411-414 us, with K loaded as K^T (`k_groups` False: no element-wise shared-memory
     transpose, 244 registers without spills; 416-420 -> 412 us); the table-chunk loop lost there (58-68 % against
