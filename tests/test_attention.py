@@ -800,6 +800,18 @@ def test_decode_split_counts(per_sm):
         assert block in k.COMBINE_BLOCKS and block >= splits and not [b for b in k.COMBINE_BLOCKS if splits <= b < block]
 
 
+def test_table_chunk_loop_on_one_warp():
+    """Every GPU target's fp8-cache decode takes the table-chunk loop on one warp per program (its tl.gather stays in
+    warp shuffles), over the head groups and dtypes the matrix compiles."""
+    k = attention_kernels
+    for target in platform.MATRIX_TARGETS:
+        for hq, hkv, d in ((32, 8, 128), (64, 8, 64), (4, 2, 24)):
+            geo = k.Geometry(hq=hq, hkv=hkv, d=d, bs=16, x=8, k_std=True)
+            for q_dtype in (torch.bfloat16, torch.float16):
+                tiles = k.decode_tiles(geo, q_dtype, True, target)
+                assert tiles["loop"] != k.LOOP_TABLE_CHUNKS or tiles["num_warps"] == 1, (target, hq, d)
+
+
 def test_table_chunk_holds_its_columns():
     """Every chunk of table_chunk's tiles, starting at any tile boundary, covers at most CHUNK_COLS table columns,
     CHUNK_COLS is a power of two of at most TABLE_CHUNK_COLS, and the interpreter's chunks are 2 tiles."""

@@ -744,7 +744,12 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
     88 %). `per_sm`: the programs per SM the split count aims at (decode_splits; with `at_most`, the most it
     allows). `chunk`: (CHUNK, CHUNK_COLS) of the table-chunk loop (table_chunk). `pdl`: launched as a
     programmatic dependent (sm_90+)."""
-    return dict(_decode_tiles(geo, q_dtype, kv_fp8, target), pdl=platform.supports_pdl(target))
+    tiles = _decode_tiles(geo, q_dtype, kv_fp8, target)
+    if tiles.get("loop") == LOOP_TABLE_CHUNKS and target.backend != "interpreter" and tiles["num_warps"] != 1:
+        # one warp keeps the block ids' tl.gather in warp shuffles; across warps it goes through shared memory,
+        # which under Triton 3.6's 3-stage pipeline read out of bounds (compute-sanitizer, 4-warp prefill probe)
+        raise RuntimeError("internal: LOOP_TABLE_CHUNKS runs on one warp per program")
+    return dict(tiles, pdl=platform.supports_pdl(target))
 
 
 def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) -> dict:
@@ -767,7 +772,8 @@ def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target)
     return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=2, num_stages=2, per_sm=PROGRAMS_PER_SM)
 
 
-LOOP_PIPELINE, LOOP_REGISTERS, LOOP_TABLE_CHUNKS = 0, 1, 2   # the cached-key loops of `_cache_loop`
+LOOP_PIPELINE, LOOP_REGISTERS, LOOP_TABLE_CHUNKS = 0, 1, 2   # the cached-key loops of `_cache_loop` (on a GPU, the
+                                                             # last on one warp per program: decode_tiles)
 TABLE_CHUNK_TILES = 64         # LOOP_TABLE_CHUNKS: tiles per chunk on a GPU, at most (the interpreter: 2)
 TABLE_CHUNK_COLS = 128         # ... and table columns per chunk, at most (a vector of block ids in registers)
 PREFETCH_MAX_ROWS = 16         # decode: the register-prefetch loop for groups of at most this many query heads
