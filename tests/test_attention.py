@@ -797,7 +797,8 @@ def test_decode_split_counts(per_sm):
         assert fill == 1 or fill == cap or programs * (fill - 1) < slots
     for splits in range(1, k.MAX_SPLITS + 1):   # the combine's tile: the smallest block that holds the splits
         block = k.combine_block(splits)
-        assert block in k.COMBINE_BLOCKS and block >= splits and not [b for b in k.COMBINE_BLOCKS if splits <= b < block]
+        assert block in k.COMBINE_BLOCKS and block >= splits
+        assert not [b for b in k.COMBINE_BLOCKS if splits <= b < block]
 
 
 def test_table_chunk_loop_on_one_warp():
@@ -814,7 +815,8 @@ def test_table_chunk_loop_on_one_warp():
 
 def test_table_chunk_holds_its_columns():
     """Every chunk of table_chunk's tiles, starting at any tile boundary, covers at most CHUNK_COLS table columns,
-    CHUNK_COLS is a power of two of at most TABLE_CHUNK_COLS, and the interpreter's chunks are 2 tiles."""
+    CHUNK_COLS is a power of two of at most TABLE_CHUNK_COLS, and a chunk has at most TABLE_CHUNK_TILES tiles (2 under
+    the interpreter)."""
     k = attention_kernels
     gpu = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda")
     for target in (gpu, platform.INTERPRETER_TARGET):

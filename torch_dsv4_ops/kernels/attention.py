@@ -379,9 +379,9 @@ def _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, p_
             for it in range(t_lo, whole_hi):
                 m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, it * BLOCK_N + n, it >= 0, scale, slope,
                                             p_scale, table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes,
-                                            kc_ptr, vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS,
-                                            X, K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW,
-                                            ALIBI, P_SCALED, K_GROUPS, MASK, True)
+                                            kc_ptr, vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D,
+                                            BS, X, K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL,
+                                            SW, ALIBI, P_SCALED, K_GROUPS, MASK, True)
         for it in range(whole_hi, t_hi):
             kp = it * BLOCK_N + n
             m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < s_hi, scale, slope, p_scale,
@@ -737,13 +737,13 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
     another's load latency. fp8 caches (benchmarks/NOTES.md, 2026-11-27): 16-key tiles on one warp in the
     table-chunk loop (LOOP_TABLE_CHUNKS, 3 stages: two tiles' copies in flight), 174 registers on sm_90, so 11
     programs per SM, and the split count keeps the grid within them (`at_most`): 64 x 4096 72 -> 80 % (90.5 % with
-    the combine's tile sized to the split count), 256 x 1024 76 -> 91 %, 1 x 32768 44 -> 63 % of the read ceiling. Float caches with groups of at most PREFETCH_MAX_ROWS
-    heads take the register-prefetch loop (LOOP_REGISTERS, `--prefetch`, 2026-11-26): 32-key tiles on 2 warps,
-    bf16 64 x 4096 434 -> 411-414 us, with K loaded as K^T (`k_groups` False: no element-wise shared-memory
-    transpose, 244 registers without spills; 416-420 -> 412 us); the table-chunk loop lost there (58-68 % against
-    88 %). `per_sm`: the programs per SM the split count aims at (decode_splits; with `at_most`, the most it
-    allows). `chunk`: (CHUNK, CHUNK_COLS) of the table-chunk loop (table_chunk). `pdl`: launched as a
-    programmatic dependent (sm_90+)."""
+    the combine's tile sized to the split count), 256 x 1024 76 -> 91 %, 1 x 32768 44 -> 63 % of the read
+    ceiling. Float caches with groups of at most PREFETCH_MAX_ROWS heads take the register-prefetch loop
+    (LOOP_REGISTERS, `--prefetch`, 2026-11-26): 32-key tiles on 2 warps, bf16 64 x 4096 434 -> 411-414 us, with K
+    loaded as K^T (`k_groups` False: no element-wise shared-memory transpose, 244 registers without spills;
+    416-420 -> 412 us); the table-chunk loop lost there (58-68 % against 88 %). `per_sm`: the programs per SM the
+    split count aims at (decode_splits; with `at_most`, the most it allows). `chunk`: (CHUNK, CHUNK_COLS) of the
+    table-chunk loop (table_chunk). `pdl`: launched as a programmatic dependent (sm_90+)."""
     tiles = _decode_tiles(geo, q_dtype, kv_fp8, target)
     if tiles.get("loop") == LOOP_TABLE_CHUNKS and target.backend != "interpreter" and tiles["num_warps"] != 1:
         # one warp keeps the block ids' tl.gather in warp shuffles; across warps it goes through shared memory,
