@@ -795,7 +795,12 @@ def test_decode_split_counts(per_sm):
         assert fit == cap or programs * (fit + 1) > slots
         assert fill == cap or programs * fill >= slots
         assert fill == 1 or fill == cap or programs * (fill - 1) < slots
-    for splits in range(1, k.MAX_SPLITS + 1):   # the combine's tile: the smallest block that holds the splits
+
+
+def test_combine_block_holds_the_splits():
+    """The combine's tile: the smallest of COMBINE_BLOCKS that holds the split count, for every allowed count."""
+    k = attention_kernels
+    for splits in range(1, k.MAX_SPLITS + 1):
         block = k.combine_block(splits)
         assert block in k.COMBINE_BLOCKS and block >= splits
         assert not [b for b in k.COMBINE_BLOCKS if splits <= b < block]

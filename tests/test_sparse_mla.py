@@ -30,6 +30,7 @@ import torch
 
 import torch_dsv4_ops as d
 from torch_dsv4_ops import layout, platform
+from torch_dsv4_ops.compile_matrix import TARGETS_BY_NAME
 from torch_dsv4_ops.kernels import sparse_mla as kernels
 from torch_dsv4_ops.library import cpu_implementation
 from torch_dsv4_ops.ops import sparse_mla as ops
@@ -442,15 +443,16 @@ def test_decode_wide_shapes(device, name):
 
 # The plans of GPUs with less shared memory (sm_80: 163 KB; sm_86/89/120: 99 KB), run on this GPU: their tiles
 # (32-row steps, 32-head blocks) must give the same results. The compile matrix checks that they fit.
-SMALLER_SHARED_MEMORY = {"sm_80": 166912, "sm_86": 101376}
+SMALLER_SHARED_MEMORY = ("sm_80", "sm_86")
 
 
-@pytest.mark.parametrize("gpu", list(SMALLER_SHARED_MEMORY))
+@pytest.mark.parametrize("gpu", SMALLER_SHARED_MEMORY)
 def test_smaller_shared_memory_plans(device, gpu, monkeypatch):
     target = platform.target_for(device)
     if target.backend != "cuda":
         pytest.skip("NVIDIA plans: the interpreter has one tile plan, AMD its own")
-    monkeypatch.setattr(platform, "shared_memory_limit", lambda t: SMALLER_SHARED_MEMORY[gpu])
+    limit = platform.shared_memory_limit(TARGETS_BY_NAME[gpu])
+    monkeypatch.setattr(platform, "shared_memory_limit", lambda t: limit)
     assert kernels.tiles(target, False)["BLOCK_N"] == 32 and kernels.tiles(target, True)["BLOCK_N"] == 32
     assert kernels.max_block_h(target) == (32 if gpu == "sm_86" else 64)
     for plans in (ops._DECODE_PLANS, ops._PREFILL_PLANS):

@@ -834,13 +834,13 @@ def prefill_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles
 
 
 def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles: dict, splits: int) -> dict:
+    chunk, chunk_cols = tiles.get("chunk", (1, 1))
     return dict(D=geo.d, BLOCK_D=geo.block_d, BS=geo.bs, X=geo.x, K_STD=geo.k_std,
                 V_RUN=geo.v_run(tiles["BLOCK_N"]), GROUP=geo.group, BLOCK_H=tiles["BLOCK_H"],
                 BLOCK_N=tiles["BLOCK_N"],
                 SPLIT=splits > 1, SW=feats.sliding_window,
                 ALIBI=feats.alibi, SINKS=feats.sinks, TABLE_PTR=feats.table_ptr, **numeric_constexprs(numerics),
-                LOOP=tiles.get("loop", LOOP_PIPELINE), CHUNK=tiles.get("chunk", (1, 1))[0],
-                CHUNK_COLS=tiles.get("chunk", (1, 1))[1],
+                LOOP=tiles.get("loop", LOOP_PIPELINE), CHUNK=chunk, CHUNK_COLS=chunk_cols,
                 K_GROUPS=tiles.get("k_groups", True),
                 PDL=tiles.get("pdl", False), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
@@ -848,7 +848,7 @@ def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles:
 def combine_block(splits: int) -> int:
     """BLOCK_S of the combine: the smallest of COMBINE_BLOCKS that holds `splits` partial rows (a [BLOCK_S,
     BLOCK_D] tile of 128 rows for 2 splits cost 20 us at 64 x 4096 against one of 64 rows, H100)."""
-    return next(b for b in COMBINE_BLOCKS if b >= min(splits, MAX_SPLITS))
+    return next(b for b in COMBINE_BLOCKS if b >= splits)
 
 
 def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics, target: platform.Target,
