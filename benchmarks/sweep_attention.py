@@ -5,8 +5,8 @@ Times the benchmark's decode and mixed-step cases (benchmarks/bench_attention.py
 setting of `kernels/attention.py` (patched in place of `decode_tiles` / `prefill_tiles`) and prints
 one line per (setting, case): median µs by do_bench and GB/s. The committed defaults come from it.
 --prefetch sweeps the decode kernel's register-prefetch loop (LOOP_REGISTERS) instead of its tiles; --bf16-only
-leaves out the fp8-cache cases; SWEEP_PREFILL="128x64x8x2,64x32x4x1,..." picks the prefill tiles (BLOCK_M x
-BLOCK_N x warps x stages) to time instead of all 24.
+leaves out the fp8-cache cases; SWEEP_PREFILL="256x64x8x3,128x64x4x2x0,..." picks the prefill tiles (BLOCK_M x
+BLOCK_N x warps x stages [x tile_ids]) to time instead of all 24.
 """
 from __future__ import annotations
 
@@ -109,13 +109,15 @@ def main() -> int:
         print(f"mixed step, prefill and decode on two streams={concurrent}: {us:.1f} us", flush=True)
     ops.CONCURRENT.enabled = True
 
-    for block_m, block_n, warps, stages in _prefill_configs():
-        def tiles(geo, q_dtype, target, block_m=block_m, block_n=block_n, warps=warps, stages=stages):
+    for block_m, block_n, warps, stages, tile_ids in _prefill_configs():
+        def tiles(geo, q_dtype, target, block_m=block_m, block_n=block_n, warps=warps, stages=stages,
+                  tile_ids=tile_ids):
             heads = min(triton_next_pow2(geo.group), block_m)
-            return dict(HEADS=heads, BLOCK_Q=block_m // heads, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            return dict(HEADS=heads, BLOCK_Q=block_m // heads, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                        tile_ids=bool(tile_ids))
         kernels.prefill_tiles = tiles
         _reset()
-        label = f"prefill BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} stages={stages}"
+        label = f"prefill BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} stages={stages} tile_ids={tile_ids}"
         for s in (prefill_only, mixed):
             try:
                 us = _time(batches[s.name][1])
@@ -127,12 +129,12 @@ def main() -> int:
 
 
 def _prefill_configs():
-    """(BLOCK_M, BLOCK_N, warps, stages) of the prefill sweep: SWEEP_PREFILL="128x64x8x2,64x32x4x1", or 24
-    settings."""
+    """(BLOCK_M, BLOCK_N, warps, stages, tile_ids) of the prefill sweep: SWEEP_PREFILL="256x64x8x3,128x64x4x2x0"
+    (a fifth field 0: per-key block-id lookups; 1, the default: one table load per block), or 24 settings."""
     env = os.environ.get("SWEEP_PREFILL")
     if env:
-        return [tuple(int(x) for x in c.split("x")) for c in env.split(",")]
-    return list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+        return [(tuple(int(x) for x in c.split("x")) + (1,))[:5] for c in env.split(",")]
+    return list(itertools.product((128, 256), (32, 64, 128), (4, 8), (2, 3), (1,)))
 
 
 def triton_next_pow2(n: int) -> int:

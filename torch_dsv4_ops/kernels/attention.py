@@ -99,6 +99,27 @@ def _block_ids(table_ptr, t_row, col, ok, t_s1, W, num_blocks, cache_base, page_
 
 
 @triton.jit
+def _tile_block_ids(table_ptr, t_row, kp, k0, t_s1, W, num_blocks, cache_base, page_bytes, BS: tl.constexpr,
+                    NB: tl.constexpr, TABLE_PTR: tl.constexpr):
+    """`_block_ids` of the keys kp = k0 + arange(n) of a whole tile that spans NB blocks from the block of k0 (k0
+    a multiple of BS, or of n inside one block): one scalar table load per block, and each key takes its block's
+    id by selects, where the per-key lookup loads an entry for every key and moves the ids between layouts."""
+    col0 = (t_row * 0).to(tl.int32) + k0 // BS      # tensors (interpreter: masks must be int1 tensors)
+    zero = (kp - k0) * 0
+    b0, ok0 = _block_ids(table_ptr, t_row, col0, col0 >= 0, t_s1, W, num_blocks, cache_base, page_bytes, TABLE_PTR)
+    blk = zero + b0
+    ok = (zero + ok0.to(tl.int32)) != 0
+    if NB > 1:
+        kb = (kp - k0) // BS
+        for b in tl.static_range(1, NB):
+            bb, okb = _block_ids(table_ptr, t_row, col0 + b, col0 >= 0, t_s1, W, num_blocks, cache_base,
+                                 page_bytes, TABLE_PTR)
+            blk = tl.where(kb == b, bb, blk)
+            ok = tl.where(kb == b, okb.to(tl.int32), ok.to(tl.int32)) != 0
+    return blk, ok
+
+
+@triton.jit
 def _codes(x, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Cache values in the dot dtype. fp8 codes are converted unscaled, exactly (every e4m3/e5m2 value
     is a bf16 and an fp16 value); the per-tensor scales multiply the scores and the probabilities."""
@@ -285,12 +306,18 @@ def _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, in_range, scale, slope, p_scal
                 D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
                 TABLE_PTR: tl.constexpr, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr,
                 DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, SW: tl.constexpr, ALIBI: tl.constexpr,
-                P_SCALED: tl.constexpr, K_GROUPS: tl.constexpr, MASK: tl.constexpr, WHOLE: tl.constexpr):
+                P_SCALED: tl.constexpr, K_GROUPS: tl.constexpr, MASK: tl.constexpr, WHOLE: tl.constexpr,
+                k0=0, TILE_BLOCKS: tl.constexpr = 0):
     """One tile of cached keys kp (those in_range; WHOLE: in_range is a true scalar, see `_cache_tile`): their
-    blocks, K and V, the scores (times `scale`, plus ALiBi), the mask (MASK as in `_tile_update`), and the
-    online-softmax update of (m_i, l_i, acc)."""
-    blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, in_range, t_s1, W, num_blocks, cache_base, page_bytes,
-                             TABLE_PTR)
+    blocks (TILE_BLOCKS > 0: a whole tile of that many blocks from key k0 on, `_tile_block_ids`), K and V, the
+    scores (times `scale`, plus ALiBi), the mask (MASK as in `_tile_update`), and the online-softmax update of
+    (m_i, l_i, acc)."""
+    if TILE_BLOCKS > 0:
+        blk, key_ok = _tile_block_ids(table_ptr, t_row, kp, k0, t_s1, W, num_blocks, cache_base, page_bytes, BS,
+                                      TILE_BLOCKS, TABLE_PTR)
+    else:
+        blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, in_range, t_s1, W, num_blocks, cache_base, page_bytes,
+                                 TABLE_PTR)
     kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0,
                         vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, KV_FP8, KV_SW, DOT_DTYPE, K_GROUPS, WHOLE)
     return _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, p_scale, DOT_F32, CAUSAL, SW,
@@ -322,7 +349,7 @@ def _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, p_
                 BLOCK_N: tl.constexpr, TABLE_PTR: tl.constexpr, KV_FP8: tl.constexpr, KV_SW: tl.constexpr,
                 DOT_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, SW: tl.constexpr,
                 ALIBI: tl.constexpr, P_SCALED: tl.constexpr, K_GROUPS: tl.constexpr, LOOP: tl.constexpr,
-                CHUNK: tl.constexpr, CHUNK_COLS: tl.constexpr, MASK: tl.constexpr):
+                CHUNK: tl.constexpr, CHUNK_COLS: tl.constexpr, MASK: tl.constexpr, TILE_IDS: tl.constexpr = False):
     """The online softmax over cached-key tiles [t_lo, t_hi) (keys below s_hi). LOOP (module constants):
     LOOP_PIPELINE, Triton's pipeline with each tile's block ids loaded in its own iteration (the pipeline then
     issues a tile's copies only once its table load has returned); LOOP_REGISTERS, the next tile's K/V loaded
@@ -331,6 +358,10 @@ def _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, p_
     in which no load feeds an address, so that Triton's pipeline issues the K/V copies stages ahead. MASK as in
     `_tile_update`."""
     n = tl.arange(0, BLOCK_N)
+    # TILE_IDS: whole tiles of LOOP_PIPELINE load one table entry per block where a tile spans at most
+    # MAX_TILE_BLOCKS blocks (`_tile_block_ids`)
+    TILE_BLOCKS: tl.constexpr = (BLOCK_N // BS if BLOCK_N % BS == 0 and BLOCK_N // BS <= MAX_TILE_BLOCKS
+                                 else 1 if BS % BLOCK_N == 0 else 0) if TILE_IDS else 0
     if LOOP == 1:   # LOOP_REGISTERS
         kp = t_lo * BLOCK_N + n
         blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
@@ -381,7 +412,7 @@ def _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, p_
                                             p_scale, table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes,
                                             kc_ptr, vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D,
                                             BS, X, K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL,
-                                            SW, ALIBI, P_SCALED, K_GROUPS, MASK, True)
+                                            SW, ALIBI, P_SCALED, K_GROUPS, MASK, True, it * BLOCK_N, TILE_BLOCKS)
         for it in range(whole_hi, t_hi):
             kp = it * BLOCK_N + n
             m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < s_hi, scale, slope, p_scale,
@@ -428,7 +459,7 @@ def prefill_kernel(
     SW: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
     KV_CACHE: tl.constexpr, MIN_QLEN: tl.constexpr, TABLE_PTR: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr,
-    O_SW: tl.constexpr,
+    O_SW: tl.constexpr, TILE_IDS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
@@ -500,7 +531,7 @@ def prefill_kernel(
                                 slope, v_scale, table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr,
                                 vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
                                 BLOCK_N, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW, ALIBI, KV_FP8 != 0,
-                                False, 0, 1, 1, CACHE_MASK)
+                                False, 0, 1, 1, CACHE_MASK, TILE_IDS)
 
     if not KV_CACHE:
         # dense new keys j (position ctx + j, token q0 + j); rows outside [0, T) are masked
@@ -713,17 +744,27 @@ def _pow2_at_most(n: int, cap: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), cap)
 
 
-def prefill_tiles(geo: Geometry, q_dtype, target: platform.Target) -> dict:
-    """Tile constexprs and warps of prefill_kernel: BLOCK_Q queries x HEADS heads of one group per program."""
+def prefill_tiles(geo: Geometry, q_dtype, target: platform.Target, kv_fp8: bool = False) -> dict:
+    """Tile constexprs and warps of prefill_kernel: BLOCK_Q queries x HEADS heads of one group per program
+    (`tile_ids`: one table load per block of a whole cached tile, `_tile_block_ids`)."""
+    tile_ids = True
     if target.backend == "interpreter":
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif geo.block_d > 128 or q_dtype == torch.float32:
-        block_m, block_n, warps, stages = 64, 32, 4, 2
+        block_m, block_n, warps, stages, tile_ids = 64, 32, 4, 2, False
+    elif platform.shared_memory_limit(target) >= WIDE_PREFILL_SMEM and target.backend == "cuda" and target.arch >= 90:
+        # benchmarks/NOTES.md (H100, 2026-11-27): with one table load per block, 4 x 512 on 2048 cached 283 us,
+        # against 348 us for the per-key lookups at 128 x 64 (4 warps, 2 stages), their best. fp8 caches take 2
+        # stages: at 3, triton 3.6 built a PV dot that read shared memory out of bounds (compute-sanitizer, the
+        # test case combo-alibi-sw1-ptr-fp8-D24)
+        block_m, block_n, warps, stages = 256, 64, 8, 2 if kv_fp8 else 3
     else:   # benchmarks/sweep_attention.py --prefill-only (H100, 2026-11-26): 4 x 512 on 2048 cached 349 us, against
-        # 374 us at 128 x 32 (4 warps), 424 at 128 x 128 (8 warps), 477 at 128 x 64 (8 warps)
-        block_m, block_n, warps, stages = 128, 64, 4, 2
+        # 374 us at 128 x 32 (4 warps), 424 at 128 x 128 (8 warps), 477 at 128 x 64 (8 warps); the per-block table
+        # loads measured slower at this tile (532 us, H100, triton 3.6)
+        block_m, block_n, warps, stages, tile_ids = 128, 64, 4, 2, False
     heads = _pow2_at_most(geo.group, block_m)
-    return dict(HEADS=heads, BLOCK_Q=block_m // heads, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return dict(HEADS=heads, BLOCK_Q=block_m // heads, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                tile_ids=tile_ids)
 
 
 def prefill_grid(requests: int, geo: Geometry, tiles: dict, max_input_len: int) -> tuple:
@@ -774,9 +815,11 @@ def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target)
 
 LOOP_PIPELINE, LOOP_REGISTERS, LOOP_TABLE_CHUNKS = 0, 1, 2   # the cached-key loops of `_cache_loop` (on a GPU, the
                                                              # last on one warp per program: decode_tiles)
+MAX_TILE_BLOCKS = tl.constexpr(8)   # LOOP_PIPELINE: whole tiles of at most this many blocks load an entry per block
 TABLE_CHUNK_TILES = 64         # LOOP_TABLE_CHUNKS: tiles per chunk on a GPU, at most (the interpreter: 2)
 TABLE_CHUNK_COLS = 128         # ... and table columns per chunk, at most (a vector of block ids in registers)
 PREFETCH_MAX_ROWS = 16         # decode: the register-prefetch loop for groups of at most this many query heads
+WIDE_PREFILL_SMEM = 200 * 1024    # prefill: 256 x 64 tiles, 3 stages, where a program has this much shared memory
 WIDE_TWO_STAGE_SMEM = 160 * 1024   # decode of fp32 or > 128 dims: 2 stages where a program has this much shared memory
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
@@ -829,7 +872,7 @@ def prefill_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles
     return dict(D=geo.d, BLOCK_D=geo.block_d, BS=geo.bs, X=geo.x, K_STD=geo.k_std,
                 V_RUN=geo.v_run(tiles["BLOCK_N"]), GROUP=geo.group, HEADS=tiles["HEADS"], BLOCK_Q=tiles["BLOCK_Q"], BLOCK_N=tiles["BLOCK_N"],
                 SW=feats.sliding_window, CAUSAL=feats.causal, ALIBI=feats.alibi, SINKS=feats.sinks,
-                KV_CACHE=feats.kv_cache, MIN_QLEN=min_qlen, TABLE_PTR=feats.table_ptr,
+                KV_CACHE=feats.kv_cache, MIN_QLEN=min_qlen, TABLE_PTR=feats.table_ptr, TILE_IDS=tiles["tile_ids"],
                 **numeric_constexprs(numerics), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
 
@@ -897,7 +940,7 @@ def matrix_launch_prefill(target, name, q_dtype, kv, o_dtype, geo: Geometry, fea
     """What ops/attention.py passes to prefill_kernel for one call on `target` (contiguous tensors,
     17 tokens, 3 requests, 64 blocks, a 4-column table)."""
     numerics, fmt = _matrix_numerics(target, q_dtype, kv, o_dtype)
-    tiles = prefill_tiles(geo, q_dtype, target)
+    tiles = prefill_tiles(geo, q_dtype, target, fmt is not None)
     meta = launch_options(prefill_constexprs(geo, feats, numerics, tiles, min_qlen))
     tokens, nb, cols = 17, 64, 4
     q_st = (geo.hq * geo.d, geo.d, 1)

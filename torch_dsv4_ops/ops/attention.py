@@ -196,7 +196,7 @@ def _prefill_launch(checked: Checked, numerics: kernels.Numerics, q, k, v, o, k_
         raise NotImplementedError(f"the prefill path takes at most {MAX_GRID_Y} requests per call, got "
                                   f"{checked.requests}")
     c = _common_ints(checked, k_cache, v_cache, table, seq_lens, sm_scale, checked.feats.table_ptr)
-    tiles = kernels.prefill_tiles(geo, q.dtype, target)
+    tiles = kernels.prefill_tiles(geo, q.dtype, target, numerics.kv_fp8 != layout.NOT_FP8)
     meta = kernels.launch_options(kernels.prefill_constexprs(geo, checked.feats, numerics, tiles, min_qlen))
     kk, vv = (k, v) if k is not None else (q, q)
     ints = (checked.tokens, max_len, c["sm_scale"], c["W"], c["num_blocks"], c["cache_base"], c["page_bytes"],
