@@ -79,7 +79,7 @@ PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 300 compute-sanitizer --tool memc
   python3 -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_k_cache.py tests/test_sparse_index.py \
   tests/test_metadata.py tests/test_attention.py tests/test_sparse_mla.py tests/test_indexer.py \
   tests/test_mqa_logits.py tests/test_topk.py tests/test_indexer_q.py \
-  -k "hostile or several_tokens or paged_logits or prefill_logits or prefill_random or decode_random or explicit_strides or pack_unpack_exact or unpack_lengths_past or q_exact or matches_oracle or unused_pages or layout_variants or diffkv_exact or worked_example or stream_order or (auto_exact_whole_cache and nhd) or strides_differ or head_size_zero or bad_scale_tensors or kv_equals or prefill_sizes" \
+  -k "hostile or several_tokens or paged_logits or prefill_logits or prefill_random or decode_random or explicit_strides or pack_unpack_exact or unpack_lengths_past or q_exact or matches_oracle or unused_pages or layout_variants or diffkv_exact or worked_example or stream_order or (auto_exact_whole_cache and nhd) or strides_differ or head_size_zero or bad_scale_tensors or kv_equals or prefill_sizes or combo" \
   > "$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$? ($(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log"))"
 fi
