@@ -646,6 +646,12 @@ FEATURES = {
                                                bad=((0, 1, -1), (1, 2, -5), (2, 3, 10**6)), seed=53),
     "invalid-blocks-whole-tiles-fp8": BASE.replace(q_lens=(1, 4, 1), seq_lens=(80, 90, 70),
                                                    bad=((0, 1, -1), (1, 2, -5), (2, 3, 10**6)), **FP8, seed=55),
+    # whole cached tiles of several blocks (the interpreter's 16-key tiles: four blocks of 4), each block's id
+    # from its own table entry, invalid ones inside them (prefill_tiles' tile_ids)
+    "bs4-whole-tiles": BASE.replace(bs=4, q_lens=(1, 4, 2), seq_lens=(80, 90, 70),
+                                    bad=((1, 5, -1), (1, 10, 10**6), (2, 4, -3)), seed=57),
+    "bs4-whole-tiles-ptr": BASE.replace(bs=4, q_lens=(1, 4, 2), seq_lens=(80, 90, 70), ptr=True,
+                                        bad=((1, 6, "neg"), (1, 11, "past"), (2, 9, "unaligned")), seed=58),
     # fp8 KV caches (k_scale != v_scale != 1), uint8 and typed
     "fp8-e4m3-uint8": BASE.replace(**FP8, seed=31),
     "fp8-e4m3-typed": BASE.replace(kv="fp8_e4m3", cache_dtype=torch.float8_e4m3fn, seed=32),
