@@ -812,16 +812,33 @@ def test_combine_block_holds_the_splits():
         assert not [b for b in k.COMBINE_BLOCKS if splits <= b < block]
 
 
+def _plan_inputs():
+    """(target, geometry, q dtype) over every GPU target, the head groups and the dtypes the matrix compiles."""
+    for target in platform.MATRIX_TARGETS:
+        for hq, hkv, d in ((32, 8, 128), (64, 8, 64), (4, 2, 24)):
+            for q_dtype in (torch.bfloat16, torch.float16):
+                yield target, attention_kernels.Geometry(hq=hq, hkv=hkv, d=d, bs=16, x=8, k_std=True), q_dtype
+
+
 def test_table_chunk_loop_on_one_warp():
     """Every GPU target's fp8-cache decode takes the table-chunk loop on one warp per program (its tl.gather stays in
     warp shuffles), over the head groups and dtypes the matrix compiles."""
     k = attention_kernels
-    for target in platform.MATRIX_TARGETS:
-        for hq, hkv, d in ((32, 8, 128), (64, 8, 64), (4, 2, 24)):
-            geo = k.Geometry(hq=hq, hkv=hkv, d=d, bs=16, x=8, k_std=True)
-            for q_dtype in (torch.bfloat16, torch.float16):
-                tiles = k.decode_tiles(geo, q_dtype, True, target)
-                assert tiles["loop"] != k.LOOP_TABLE_CHUNKS or tiles["num_warps"] == 1, (target, hq, d)
+    for target, geo, q_dtype in _plan_inputs():
+        tiles = k.decode_tiles(geo, q_dtype, True, target)
+        assert tiles["loop"] != k.LOOP_TABLE_CHUNKS or tiles["num_warps"] == 1, (target, geo)
+
+
+def test_prefill_tiles_fp8_caches_two_stages():
+    """fp8-cache prefills with per-block table loads stay at two stages on every GPU target (at three, triton 3.6
+    built a PV dot that read shared memory out of bounds on the H100), and a three-stage plan asks for no more
+    shared memory than its target has (the 256 x 64 tile takes 160 KB)."""
+    k = attention_kernels
+    for target, geo, q_dtype in _plan_inputs():
+        fp8 = k.prefill_tiles(geo, q_dtype, target, True)
+        assert not (fp8["tile_ids"] and fp8["num_stages"] > 2), (target, geo)
+        if k.prefill_tiles(geo, q_dtype, target)["num_stages"] > 2:
+            assert platform.shared_memory_limit(target) >= k.WIDE_PREFILL_SMEM, target
 
 
 def test_table_chunk_holds_its_columns():

@@ -752,7 +752,7 @@ def prefill_tiles(geo: Geometry, q_dtype, target: platform.Target, kv_fp8: bool 
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif geo.block_d > 128 or q_dtype == torch.float32:
         block_m, block_n, warps, stages, tile_ids = 64, 32, 4, 2, False
-    elif platform.shared_memory_limit(target) >= WIDE_PREFILL_SMEM and target.backend == "cuda" and target.arch >= 90:
+    elif target.backend == "cuda" and target.arch >= 90 and platform.shared_memory_limit(target) >= WIDE_PREFILL_SMEM:
         # benchmarks/NOTES.md (H100, 2026-11-27): with one table load per block, 4 x 512 on 2048 cached 283 us,
         # against 348 us for the per-key lookups at 128 x 64 (4 warps, 2 stages), their best. fp8 caches take 2
         # stages: at 3, triton 3.6 built a PV dot that read shared memory out of bounds (compute-sanitizer, the
