@@ -652,6 +652,11 @@ FEATURES = {
                                     bad=((1, 5, -1), (1, 10, 10**6), (2, 4, -3)), seed=57),
     "bs4-whole-tiles-ptr": BASE.replace(bs=4, q_lens=(1, 4, 2), seq_lens=(80, 90, 70), ptr=True,
                                         bad=((1, 6, "neg"), (1, 11, "past"), (2, 9, "unaligned")), seed=58),
+    # ... and on a GPU's 64-key tiles: eight blocks of 8, two of 32
+    "bs8-whole-tiles": BASE.replace(bs=8, q_lens=(1, 4, 2), seq_lens=(150, 170, 140),
+                                    bad=((1, 3, -1), (1, 12, 10**6), (2, 9, -3)), seed=59),
+    "bs32-whole-tiles": BASE.replace(bs=32, q_lens=(1, 4, 2), seq_lens=(150, 170, 140),
+                                     bad=((1, 1, -1), (2, 2, 10**6)), seed=60),
     # fp8 KV caches (k_scale != v_scale != 1), uint8 and typed
     "fp8-e4m3-uint8": BASE.replace(**FP8, seed=31),
     "fp8-e4m3-typed": BASE.replace(kv="fp8_e4m3", cache_dtype=torch.float8_e4m3fn, seed=32),
