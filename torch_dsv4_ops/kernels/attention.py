@@ -106,6 +106,7 @@ def _tile_block_ids(table_ptr, t_row, kp, k0, t_s1, W, num_blocks, cache_base, p
     id by selects, where the per-key lookup loads an entry for every key and moves the ids between layouts."""
     col0 = (t_row * 0).to(tl.int32) + k0 // BS      # tensors (interpreter: masks must be int1 tensors)
     zero = (kp - k0) * 0
+    # `col0 >= 0` (always true) is the lookups' own mask: an int1 tensor where the interpreter needs one
     b0, ok0 = _block_ids(table_ptr, t_row, col0, col0 >= 0, t_s1, W, num_blocks, cache_base, page_bytes, TABLE_PTR)
     blk = zero + b0
     ok = (zero + ok0.to(tl.int32)) != 0
@@ -819,7 +820,8 @@ MAX_TILE_BLOCKS = tl.constexpr(8)   # LOOP_PIPELINE: whole tiles of at most this
 TABLE_CHUNK_TILES = 64         # LOOP_TABLE_CHUNKS: tiles per chunk on a GPU, at most (the interpreter: 2)
 TABLE_CHUNK_COLS = 128         # ... and table columns per chunk, at most (a vector of block ids in registers)
 PREFETCH_MAX_ROWS = 16         # decode: the register-prefetch loop for groups of at most this many query heads
-WIDE_PREFILL_SMEM = 200 * 1024    # prefill: 256 x 64 tiles, 3 stages, where a program has this much shared memory
+WIDE_PREFILL_SMEM = 200 * 1024    # prefill: the 256 x 64 tile (160 KB at 3 stages) on sm_90+ programs of this much
+                                  # shared memory (sm_90, sm_100; not sm_80's 163 KB, where it was never timed)
 WIDE_TWO_STAGE_SMEM = 160 * 1024   # decode of fp32 or > 128 dims: 2 stages where a program has this much shared memory
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
