@@ -459,6 +459,26 @@ def test_combine_decode_rows_later_request_covers(device):
     assert L(r[1])[1] == min(9 // 4, 4) + min(9, 8)           # row 1 is request 0's second token (pos 8)
 
 
+@pytest.mark.parametrize("M, N", [(2**26, 100), (2**29 + 90, 100), (2**31 + 10, 10), (2**31 + 50, 2**31 + 20),
+                                  (50, 60), (300, 0), (-40, 5), (40, -5), (2**31 - 2, 2**29 - 5)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_combine_decode_rows_extreme_values(device, M, N, dtype):
+    """Decode rows t of request t (the kernel's search-free path) at extreme values: M*t + N crossing 2**29 and
+    INT32_MAX between rows, M - N and N past INT32_MAX, M < N, negative M or N. Rows without a position, short
+    ones (top-k and SWA in one tile, tk one short of the tile), long ones (whole top-k tiles), gather_lens past
+    seq_lens, negative and near the int32 limits; int64 lengths past them."""
+    g = torch.Generator().manual_seed(13)
+    small, big = 2**29, 2**32 if dtype == torch.int64 else 0
+    seq = [12, 1, 7, 62, 4000, -3, 90, 2**29 - 1, 2**29, 0, 65, 70, 2**31 - 1, 80, big + 12, 30, -big + 12, 50]
+    gl = [10, 1, 9, 20, 300, 5, -4, 16, 3, 0, small - 1, -2**31 + 3, 40, 2**31 - 3, 7, big + 3, 9, -big + 3]
+    R, topk = len(seq), 16
+    topk_idx = torch.randint(-1, min(max(N, 1), 2**20) + 2, (R, topk), generator=g, dtype=torch.int32)
+    qsl = torch.arange(R + 1, dtype=dtype) + 500
+    args = (topk_idx, qsl, torch.tensor(seq, dtype=dtype), torch.tensor(gl, dtype=dtype), 8, 4, topk, M, N)
+    r = combine_matches_oracle(device, args, "combine, decode rows at extreme values")
+    assert L(r[1])[3] == 15 + 8 and L(r[1])[4] == topk + 8 and L(r[1])[9] == 0
+
+
 def test_combine_many_requests_two_level_search(device):
     """Rc >= kernels.SEARCH takes the kernel's two-level search of query_start_loc (pivots, then one
     segment): rows of a batch of mostly empty requests land on the right request."""

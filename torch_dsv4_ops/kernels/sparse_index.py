@@ -379,12 +379,20 @@ def combine_kernel(
 
 # --- build_flashinfer_mixed_sparse_indices ------------------------------------------------------
 @triton.jit
-def _fi_decode_comp(v, j, Kd, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
-                    CBS: tl.constexpr, CSPAN: tl.constexpr, LOCAL: tl.constexpr):
+def _fi_decode_slots(v, j, Kd, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, CBS: tl.constexpr,
+                     CSPAN: tl.constexpr, LOCAL: tl.constexpr):
+    """A decode row's compressed slots at columns j of its indices v."""
     if LOCAL:
         o = _table_slots(cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, 0, v, j < Kd, CBS, CSPAN)
     else:
         o = tl.where(j < Kd, _remap_slots(v, CBS, CSPAN), -1)
+    return o
+
+
+@triton.jit
+def _fi_decode_comp(v, j, Kd, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
+                    CBS: tl.constexpr, CSPAN: tl.constexpr, LOCAL: tl.constexpr):
+    o = _fi_decode_slots(v, j, Kd, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, CBS, CSPAN, LOCAL)
     tl.store(row + (Wswa + j).to(tl.int64) * out_s1, o, mask=j < P)
     return (o >= 0).to(tl.int32)
 
@@ -439,13 +447,15 @@ def flashinfer_kernel(
         seqv = tl.load(seq_ptr + ks * seq_s, mask=ks < n_r, other=0)
     row = out_ptr + t * out_s0
     if is_dec:
+        # the first compressed tile's table loads before any store
+        o = _fi_decode_slots(vp, cp, Kd, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, CBS, CSPAN, LOCAL)
         tl.store(row + cw.to(tl.int64) * out_s1, _remap_slots(vw, SBS, SSPAN), mask=cw < Wswa)
+        tl.store(row + (Wswa + cp).to(tl.int64) * out_s1, o, mask=cp < P)
+        count = (o >= 0).to(tl.int32)
         for c0 in range(BLOCK_W, Wswa, BLOCK_W):
             c = c0 + cw
             v = tl.load(dswa_row + c.to(tl.int64) * dswa_s1, mask=c < Wswa, other=-1)
             tl.store(row + c.to(tl.int64) * out_s1, _remap_slots(v, SBS, SSPAN), mask=c < Wswa)
-        count = _fi_decode_comp(vp, cp, Kd, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
-                                CBS, CSPAN, LOCAL)
         for j0 in range(BLOCK_P, P, BLOCK_P):
             j = j0 + cp
             v = tl.load(dcomp_row + j.to(tl.int64) * dcomp_s1, mask=j < Kd, other=-1)
@@ -463,6 +473,11 @@ def flashinfer_kernel(
         n = tl.where(Kd > 0, n, 0)
         tl.store(lens_ptr + t * lens_s, Wswa + n)
     else:
+        # every load of the first tiles before their stores (a load after a store waits for it): the
+        # compressed part's table entries first, as they need only r and the preloaded indices (loaded over
+        # the whole top-k width so that they need not wait for the row's kk, and cut at kk after), then the
+        # window's entries, which need the row's position
+        comp = _table_slots(cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, 0, loc, cp < n_kp, CBS, CSPAN)
         rok = (r >= 0) & (r < R)
         pos = r * 0 - 1                 # an out-of-range request: no window, no top-k
         if ONE_ROUND:                   # picked from the preloaded vectors: no load waits for r
@@ -481,14 +496,6 @@ def flashinfer_kernel(
         tk = tl.minimum(tl.maximum(pos + 1, 0) // RATIO, TOPK)
         kk = tl.minimum(tk, Kp).to(tl.int32)
         sw32 = sw.to(tl.int32)
-        # the compressed part first: its table lookups need only r and the preloaded indices
-        _fi_prefill_comp(loc, cp, kk, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
-                         CBS, CSPAN)
-        for j0 in range(BLOCK_P, P, BLOCK_P):
-            j = j0 + cp
-            lj = tl.load(ptopk_row + j.to(tl.int64) * ptopk_s1, mask=j < kk, other=-1)
-            _fi_prefill_comp(lj, j, kk, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
-                             CBS, CSPAN)
         first = 0
         if (SBS & (SBS - 1)) == 0 and (SSPAN & (SSPAN - 1)) == 0 and SBS <= SSPAN and BLOCK_W <= 4 * SBS \
                 and WINDOW <= BLOCK_W:      # the window's few table entries as scalar loads
@@ -496,6 +503,12 @@ def flashinfer_kernel(
                                  BLOCK_W // SBS + 1)
             tl.store(row + cw.to(tl.int64) * out_s1, s, mask=cw < Wswa)
             first = BLOCK_W
+        tl.store(row + (Wswa + cp).to(tl.int64) * out_s1, tl.where(cp < kk, comp, -1), mask=cp < P)
+        for j0 in range(BLOCK_P, P, BLOCK_P):
+            j = j0 + cp
+            lj = tl.load(ptopk_row + j.to(tl.int64) * ptopk_s1, mask=j < kk, other=-1)
+            _fi_prefill_comp(lj, j, kk, P, row, Wswa, out_s1, cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r,
+                             CBS, CSPAN)
         for c0 in range(first, Wswa, BLOCK_W):
             c = c0 + cw
             s = _table_slots(sbt_ptr, sbt_rows, sbt_cols, sbt_s0, sbt_s1, r, s0, c, c < sw32, SBS, SSPAN)
