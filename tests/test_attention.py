@@ -718,6 +718,27 @@ def test_features(device, impl, name):
         run_and_check(case, op, impl, what=f"{name} {op}")
 
 
+@pytest.mark.parametrize("last_first", [True, False], ids=["tiles-last-first", "tiles-in-order"])
+def test_prefill_tile_orders(device, last_first, monkeypatch):
+    """The prefill grid's two program orders (kernels.tiles_last_first): q tiles on the second axis, last tile
+    first, and, when there are more tiles than that axis holds (here a limit of 1), q tiles on the first axis."""
+    from torch_dsv4_ops.ops import attention as attention_ops
+
+    if not last_first:
+        monkeypatch.setattr(attention_kernels, "MAX_GRID_YZ", 1)
+    monkeypatch.setattr(attention_ops, "_CHUNKED_PLANS", type(attention_ops._CHUNKED_PLANS)())
+    monkeypatch.setattr(attention_ops, "_CONTEXT_PLANS", type(attention_ops._CONTEXT_PLANS)())
+    grids, grid_of = [], attention_kernels.prefill_grid
+    monkeypatch.setattr(attention_kernels, "prefill_grid", lambda *a: grids.append(grid_of(*a)) or grids[-1])
+    long, mid = (20, 13) if device.type == "cpu" else (300, 200)    # several q tiles of the interpreter's / a GPU's
+    case = Case(Spec(q_lens=(1, long, 0, mid), seq_lens=(9, long + 25, 4, mid + 17), sinks=(0.0, 2.0), seed=71),
+                device)
+    for op in ("ctx", "chunked"):
+        run_and_check(case, op, "kernel", what=f"prefill tile order {op}")
+    tiles, groups = (grids[0][1], grids[0][0]) if last_first else grids[0][:2]
+    assert len(grids) == 2 and grids[0] == grids[1] and tiles > 1 and groups == 2, grids   # 2 kv heads of 2 q heads
+
+
 def test_skip_decode(device):
     """context_attention_fwd(skip_decode=True) leaves the qlen-1 requests' rows untouched."""
     case = Case(BASE.replace(seed=50), device)

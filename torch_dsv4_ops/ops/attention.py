@@ -24,7 +24,7 @@ from ._plans import MISSING, PlanCache, signature
 
 Q_DTYPES = layout.FLOAT_CACHE_DTYPES
 TABLE_DTYPES = (torch.int32, torch.int64)
-MAX_GRID_Y = 65535      # requests are the prefill grid's third axis
+MAX_GRID_Y = kernels.MAX_GRID_YZ      # requests are the prefill grid's third axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +197,8 @@ def _prefill_launch(checked: Checked, numerics: kernels.Numerics, q, k, v, o, k_
                                   f"{checked.requests}")
     c = _common_ints(checked, k_cache, v_cache, table, seq_lens, sm_scale, checked.feats.table_ptr)
     tiles = kernels.prefill_tiles(geo, q.dtype, target, numerics.kv_fp8 != layout.NOT_FP8)
-    meta = kernels.launch_options(kernels.prefill_constexprs(geo, checked.feats, numerics, tiles, min_qlen))
+    meta = kernels.launch_options(kernels.prefill_constexprs(geo, checked.feats, numerics, tiles, min_qlen,
+                                                             kernels.tiles_last_first(tiles, max_len)))
     kk, vv = (k, v) if k is not None else (q, q)
     ints = (checked.tokens, max_len, c["sm_scale"], c["W"], c["num_blocks"], c["cache_base"], c["page_bytes"],
             *q.stride(), *kk.stride(), *vv.stride(), *o.stride(), *c["kc"], *c["vc"], *c["t"], c["seq_s"])
