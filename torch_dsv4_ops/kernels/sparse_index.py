@@ -473,10 +473,10 @@ def flashinfer_kernel(
         n = tl.where(Kd > 0, n, 0)
         tl.store(lens_ptr + t * lens_s, Wswa + n)
     else:
-        # every load of the first tiles before their stores (a load after a store waits for it): the
-        # compressed part's table entries first, as they need only r and the preloaded indices (loaded over
-        # the whole top-k width so that they need not wait for the row's kk, and cut at kk after), then the
-        # window's entries, which need the row's position
+        # the first tiles' loads before their stores (a load after a store waits for it): the compressed part's
+        # table entries first, as they need only r and the preloaded indices (loaded over the whole top-k width
+        # so that they need not wait for the row's kk, and cut at kk after), then the window's few entries where
+        # they load as scalars (they need the row's position; wider windows load theirs after the stores)
         comp = _table_slots(cbt_ptr, cbt_rows, cbt_cols, cbt_s0, cbt_s1, r, 0, loc, cp < n_kp, CBS, CSPAN)
         rok = (r >= 0) & (r < R)
         pos = r * 0 - 1                 # an out-of-range request: no window, no top-k
