@@ -785,10 +785,11 @@ def tiles_last_first(tiles: dict, max_input_len: int) -> bool:
     return layout.cdiv(max_input_len, tiles["BLOCK_Q"]) <= MAX_GRID_YZ
 
 
-def prefill_grid(requests: int, geo: Geometry, tiles: dict, max_input_len: int) -> tuple:
-    """(head groups, q tiles, requests) under `tiles_last_first`, else (q tiles, head groups, requests)."""
+def prefill_grid(requests: int, geo: Geometry, tiles: dict, max_input_len: int, last_first: bool) -> tuple:
+    """(head groups, q tiles, requests) when `last_first` (the plan's `tiles_last_first`, also its constexpr
+    TILES_LAST_FIRST), else (q tiles, head groups, requests)."""
     n_q, groups = layout.cdiv(max_input_len, tiles["BLOCK_Q"]), geo.hkv * layout.cdiv(geo.group, tiles["HEADS"])
-    return (groups, n_q, requests) if tiles_last_first(tiles, max_input_len) else (n_q, groups, requests)
+    return (groups, n_q, requests) if last_first else (n_q, groups, requests)
 
 
 def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) -> dict:

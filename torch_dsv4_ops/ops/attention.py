@@ -197,12 +197,13 @@ def _prefill_launch(checked: Checked, numerics: kernels.Numerics, q, k, v, o, k_
                                   f"{checked.requests}")
     c = _common_ints(checked, k_cache, v_cache, table, seq_lens, sm_scale, checked.feats.table_ptr)
     tiles = kernels.prefill_tiles(geo, q.dtype, target, numerics.kv_fp8 != layout.NOT_FP8)
+    last_first = kernels.tiles_last_first(tiles, max_len)
     meta = kernels.launch_options(kernels.prefill_constexprs(geo, checked.feats, numerics, tiles, min_qlen,
-                                                             kernels.tiles_last_first(tiles, max_len)))
+                                                             last_first))
     kk, vv = (k, v) if k is not None else (q, q)
     ints = (checked.tokens, max_len, c["sm_scale"], c["W"], c["num_blocks"], c["cache_base"], c["page_bytes"],
             *q.stride(), *kk.stride(), *vv.stride(), *o.stride(), *c["kc"], *c["vc"], *c["t"], c["seq_s"])
-    grid = kernels.prefill_grid(checked.requests, geo, tiles, max_len)
+    grid = kernels.prefill_grid(checked.requests, geo, tiles, max_len, last_first)
     return kernels.PREFILL_LAUNCHER.bind(grid, dtypes, ints, meta, q.device)
 
 
