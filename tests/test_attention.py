@@ -892,11 +892,13 @@ SPLIT_SPEC = Spec(q_lens=(1, 1, 0, 1, 1, 1), seq_lens=(37, 80, 5, 1, 0, 130), hq
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("variant", ["plain", "sw20-alibi", "fp8-e5m2-ptr", "long"])
+@pytest.mark.parametrize("variant", ["plain", "sw20-alibi", "fp8-e5m2-ptr", "long", "long-d128"])
 def test_decode_split_equivalence(device, impl, variant):
     """forced_decode_splits(n) for n in {1, 2, 3, 7, 12 (> the 9 key blocks of the longest request), 40} (the
     interpreter runs 1, 3, 12 and 40): within tolerance of n = 1 and of the oracle; the sink is counted once and
-    empty splits (sliding window) combine; variant "long" fills all 40 parts with keys."""
+    empty splits (sliding window) combine; variant "long" fills all 40 parts with keys, and "long-d128" does so
+    with 128-dim heads, whose 40-split combine merges each output row in 4 column parts (`combine_parts`; the
+    interpreter's decode tiles, like fp8 caches on a GPU, allow them)."""
     spec = SPLIT_SPEC
     if variant == "sw20-alibi":
         spec = spec.replace(sw=20, alibi=True)
@@ -904,6 +906,9 @@ def test_decode_split_equivalence(device, impl, variant):
         spec = spec.replace(kv="fp8_e5m2", cache_dtype=torch.uint8, ptr=True, dense=False, padded=True)
     elif variant == "long":   # 600 keys: every one of 40 parts holds keys (on CPU, 16-key tiles)
         spec = spec.replace(q_lens=(1,), seq_lens=(600,))
+    elif variant == "long-d128":
+        spec = spec.replace(q_lens=(1,), seq_lens=(600,), dim=128)
+        assert attention_kernels.combine_parts(attention_kernels.combine_block(40), 128, 4) == 4
     case = Case(spec, device)
     expected = oracle(case, "chunked")
     tol = TOLERANCES[spec.dtype]

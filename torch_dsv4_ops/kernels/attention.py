@@ -665,27 +665,29 @@ def decode_kernel(
 @triton.jit
 def combine_kernel(
     o_ptr, qsl_ptr, o_scale_ptr, sinks_ptr, part_ptr, T, Hq, splits, o_s0, o_s1, o_s2,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DPARTS: tl.constexpr, SINKS: tl.constexpr,
     O_KIND: tl.constexpr, O_FP8: tl.constexpr, O_SW: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (r, h): merge the `splits` (<= BLOCK_S) partial rows of decode request r, head h, exactly (the sink
-    joins here), and write the output row. PDL: its launch overlaps the decode kernel's, and it waits for the
-    partials before reading them."""
+    """Program (r, h, c): merge the `splits` (<= BLOCK_S) partial rows of decode request r, head h, exactly (the sink
+    joins here), and write part c of DPARTS of the output row. PDL: its launch overlaps the decode kernel's, and it
+    waits for the partials before reading them. The partials' loads do not wait for the request's metadata (every
+    request has its rows in the workspace; a request that is not a decode stores nothing)."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    BLOCK_DD: tl.constexpr = BLOCK_D // DPARTS
+    d = tl.program_id(2) * BLOCK_DD + tl.arange(0, BLOCK_DD)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     q0 = tl.load(qsl_ptr + r).to(tl.int64)
     qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
-    is_decode = (qlen == 1) & (q0 >= 0) & (q0 < T)
     sp = tl.arange(0, BLOCK_S)
-    ok = sp < tl.where(is_decode, splits, 0)
+    ok = sp < splits
     rows = ((r * Hq + h) * splits + sp) * (BLOCK_D + 2)
     m_s = tl.load(part_ptr + rows, mask=ok, other=float("-inf"))
     l_s = tl.load(part_ptr + rows + 1, mask=ok, other=0.0)
-    d = tl.arange(0, BLOCK_D)
     acc_s = tl.load(part_ptr + rows[:, None] + 2 + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+    is_decode = (qlen == 1) & (q0 >= 0) & (q0 < T)
     m = tl.max(m_s, 0)
     if SINKS:
         sink = tl.load(sinks_ptr + h + tl.zeros((1,), tl.int32)) * 1.4426950408889634
@@ -805,7 +807,10 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
     loaded as K^T (`k_groups` False: no element-wise shared-memory transpose, 244 registers without spills;
     416-420 -> 412 us); the table-chunk loop lost there (58-68 % against 88 %). `per_sm`: the programs per SM the
     split count aims at (decode_splits; with `at_most`, the most it allows). `chunk`: (CHUNK, CHUNK_COLS) of the
-    table-chunk loop (table_chunk). `pdl`: launched as a programmatic dependent (sm_90+)."""
+    table-chunk loop (table_chunk). `pdl`: launched as a programmatic dependent (sm_90+). `combine_parts`: the
+    combine's programs per (request, head), at most (combine_parts; 1 when absent). fp8 caches take 4 (NOTES.md,
+    2026-11-27: 1 x 32768 33.9 -> 33.3 us; the same parts cost bf16 1 x 32768 1 us, and 2 parts lost on both);
+    the interpreter takes them too, so that the CPU suite runs them."""
     tiles = _decode_tiles(geo, q_dtype, kv_fp8, target)
     if tiles.get("loop") == LOOP_TABLE_CHUNKS and target.backend != "interpreter" and tiles["num_warps"] != 1:
         # one warp keeps the block ids' tl.gather in warp shuffles; across warps it goes through shared memory,
@@ -820,14 +825,15 @@ def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target)
     if target.backend == "interpreter":      # the loops of a GPU: float caches LOOP_REGISTERS, fp8 LOOP_TABLE_CHUNKS
         loop = LOOP_REGISTERS if prefetch else LOOP_TABLE_CHUNKS if kv_fp8 else LOOP_PIPELINE
         return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1, per_sm=PROGRAMS_PER_SM, loop=loop,
-                    chunk=table_chunk(geo.bs, 16, target), k_groups=not prefetch)
+                    chunk=table_chunk(geo.bs, 16, target), k_groups=not prefetch, combine_parts=MAX_COMBINE_PARTS)
     if geo.block_d > 128 or q_dtype == torch.float32:
         # 2 stages need 147 KB at fp32 x 256 dims on sm_86 (99 KB) and 67.5 KB on gfx942 (64 KB); 1 stage 80 / 32 KB
         stages = 2 if platform.shared_memory_limit(target) >= WIDE_TWO_STAGE_SMEM else 1
         return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=4, num_stages=stages, per_sm=PROGRAMS_PER_SM // 2)
     if kv_fp8:
         return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=1, num_stages=3, per_sm=FP8_PROGRAMS_PER_SM,
-                    at_most=True, loop=LOOP_TABLE_CHUNKS, chunk=table_chunk(geo.bs, 16, target))
+                    at_most=True, loop=LOOP_TABLE_CHUNKS, chunk=table_chunk(geo.bs, 16, target),
+                    combine_parts=MAX_COMBINE_PARTS)
     if prefetch:
         return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=2, num_stages=1, per_sm=PROGRAMS_PER_SM,
                     loop=LOOP_REGISTERS, k_groups=False)
@@ -846,6 +852,8 @@ WIDE_TWO_STAGE_SMEM = 160 * 1024   # decode of fp32 or > 128 dims: 2 stages wher
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
 COMBINE_BLOCKS = (8, 32, MAX_SPLITS)   # the combine's partial rows per program (combine_block)
+MAX_COMBINE_PARTS = 4         # the combine's programs per (request, head) for fp8 caches, at most (combine_parts)
+COMBINE_PART_ELEMENTS = 4096
 PROGRAMS_PER_SM = 4            # decode programs per SM the split count aims at (more: no faster, H100)
 FP8_PROGRAMS_PER_SM = 11       # fp8 caches: the programs of 174 registers an sm_90 SM holds at once
 
@@ -918,12 +926,30 @@ def combine_block(splits: int) -> int:
 
 
 def combine_constexprs(geo: Geometry, feats: Features, numerics: Numerics, target: platform.Target,
-                       splits: int) -> dict:
-    # a warp per 1024 of the [BLOCK_S, BLOCK_D] fp32 partials (a single warp spilled at 64 x 128)
+                       splits: int, max_parts: int = 1) -> dict:
+    # a warp per 1024 of a program's [BLOCK_S, BLOCK_D // DPARTS] fp32 partials (a single warp spilled at 64 x 128)
     block_s = combine_block(splits)
-    return dict(D=geo.d, BLOCK_D=geo.block_d, BLOCK_S=block_s,
+    parts = combine_parts(block_s, geo.block_d, max_parts)
+    return dict(D=geo.d, BLOCK_D=geo.block_d, BLOCK_S=block_s, DPARTS=parts,
                 SINKS=feats.sinks, O_KIND=numerics.o_kind, O_FP8=numerics.o_fp8, O_SW=numerics.o_sw,
-                PDL=platform.supports_pdl(target), num_warps=max(1, min(8, block_s * geo.block_d // 1024)))
+                PDL=platform.supports_pdl(target),
+                num_warps=max(1, min(8, block_s * geo.block_d // parts // 1024)))
+
+
+def combine_parts(block_s: int, block_d: int, max_parts: int) -> int:
+    """Programs per (request, head) of the combine, each merging BLOCK_D // parts output columns: one per
+    COMBINE_PART_ELEMENTS of the [BLOCK_S, BLOCK_D] partials, at most `max_parts` (the decode tiles'
+    `combine_parts`), at least 16 columns each."""
+    parts = 1
+    while (parts < max_parts and block_s * block_d // parts > COMBINE_PART_ELEMENTS
+           and block_d // (2 * parts) >= 16):
+        parts *= 2
+    return parts
+
+
+def combine_grid(requests: int, geo: Geometry, meta: dict) -> tuple:
+    """(requests, query heads, column parts) of combine_kernel for its constexprs `meta`."""
+    return requests, geo.hq, meta["DPARTS"]
 
 
 def partial_elements(requests: int, geo: Geometry, splits: int) -> int:
@@ -990,12 +1016,13 @@ def matrix_launch_decode(target, name, q_dtype, kv, o_dtype, geo: Geometry, feat
     return name, _matrix_tensors(q_dtype, output_view(o_dtype, numerics), fmt, table_dtype, False), ints, meta
 
 
-def matrix_launch_combine(target, name, q_dtype, o_dtype, geo: Geometry, feats: Features, splits: int):
+def matrix_launch_combine(target, name, q_dtype, o_dtype, geo: Geometry, feats: Features, splits: int,
+                          max_parts: int = 1):
     """What ops/attention.py passes to combine_kernel."""
     from .matrix import Ptr
 
     numerics, _ = _matrix_numerics(target, q_dtype, "auto", o_dtype)
-    meta = launch_options(combine_constexprs(geo, feats, numerics, target, splits))
+    meta = launch_options(combine_constexprs(geo, feats, numerics, target, splits, max_parts))
     f32 = Ptr(torch.float32)
     tensors = (Ptr(output_view(o_dtype, numerics)), Ptr(torch.int32), f32, f32, f32)
     return name, tensors, (17, geo.hq, splits, geo.hq * geo.d, geo.d, 1), meta
@@ -1028,9 +1055,10 @@ def _matrix_geometries():
         ("decode.bf16.d128.g64.bs16", bf16, "auto", bf16, g(64, 1, 128, 16, 8, True), Features(), 1),
     ]
     combine = [
-        ("combine.bf16.d128.s33.sinks", bf16, bf16, g(32, 8, 128, 16, 8, True), Features(sinks=True), 33),
-        ("combine.fp8out.d64.s4", f16, e4m3, g(64, 8, 64, 32, 16, True), Features(), 4),
-        ("combine.f32.d256.s20", f32, f32, g(8, 8, 256, 544, 4, True), Features(), 20),
+        ("combine.bf16.d128.s33.sinks", bf16, bf16, g(32, 8, 128, 16, 8, True), Features(sinks=True), 33, 1),
+        ("combine.fp8out.d64.s4", f16, e4m3, g(64, 8, 64, 32, 16, True), Features(), 4, 1),
+        ("combine.f32.d256.s20", f32, f32, g(8, 8, 256, 544, 4, True), Features(), 20, 1),
+        ("combine.bf16.d128.s128.parts", bf16, bf16, g(32, 8, 128, 16, 8, True), Features(), 128, MAX_COMBINE_PARTS),
     ]
     return prefill, decode, combine
 
@@ -1053,6 +1081,6 @@ def matrix_cases(target: platform.Target) -> list:
                                                             last_first=False)))
     cases += [case(decode_kernel, matrix_launch_decode(target, n, q, kv, o, geo, f, s))
               for n, q, kv, o, geo, f, s in decode]
-    cases += [case(combine_kernel, matrix_launch_combine(target, n, q, o, geo, f, s))
-              for n, q, o, geo, f, s in combine]
+    cases += [case(combine_kernel, matrix_launch_combine(target, n, q, o, geo, f, s, parts))
+              for n, q, o, geo, f, s, parts in combine]
     return dedupe(cases)

@@ -319,9 +319,11 @@ def _chunked_plan(query, key, value, output, kv_cache_dtype, key_cache, value_ca
     decode = kernels.DECODE_LAUNCHER.bind((checked.requests, geo.hkv, splits), decode_dtypes, ints, meta, device)
     if splits == 1:
         return ChunkedPlan(prefill, decode, None, 0)
-    meta = kernels.launch_options(kernels.combine_constexprs(geo, feats, numerics, target, splits))
+    meta = kernels.launch_options(kernels.combine_constexprs(geo, feats, numerics, target, splits,
+                                                             tiles.get("combine_parts", 1)))
     combine = kernels.COMBINE_LAUNCHER.bind(
-        (checked.requests, geo.hq), (dtypes[3], torch.int32, torch.float32, torch.float32, torch.float32),
+        kernels.combine_grid(checked.requests, geo, meta),
+        (dtypes[3], torch.int32, torch.float32, torch.float32, torch.float32),
         (checked.tokens, geo.hq, splits, *output.stride()), meta, device)
     return ChunkedPlan(prefill, decode, combine, kernels.partial_elements(checked.requests, geo, splits))
 
