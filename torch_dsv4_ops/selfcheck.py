@@ -1,7 +1,8 @@
 """The main job's self-check: every registered op's Triton kernel on the best device present
 (compiled on a GPU, under Triton's interpreter on the CPU), against the pure-torch reference on
-the CPU, byte for byte, timed; then one metadata step (both builders on a mixed batch) the same
-way. `python -m torch_dsv4_ops` prints the table."""
+the CPU, byte for byte, timed; then one metadata step (both builders on a mixed batch), one indexer
+decode step and one whole C4A attention decode step the same way. `python -m torch_dsv4_ops` prints
+the table."""
 from __future__ import annotations
 
 import contextlib
@@ -104,6 +105,7 @@ def run(device: torch.device | None = None) -> list[Row]:
             rows.append(Row(name, label, str(device), impl, error, t, ok))
     rows.append(metadata_step(device))
     rows.append(indexer_decode_step(device))
+    rows.append(attention_decode_step(device))
     return rows
 
 
@@ -196,6 +198,17 @@ def _indexer_chain(device, batch, k_rows, index_q, cos_sin, weights, num_blocks,
     return cache, q8, w, logits, dec
 
 
+def _indexer_inputs(g: torch.Generator, heads: int, num_blocks: int) -> tuple:
+    """(compressed K rows [num_blocks * 64, 128] bf16, index_q [tokens, heads, 128] bf16, cos_sin [8192, 64] fp32,
+    weights [tokens, heads] fp32) of the indexer steps' 2 * len(INDEXER_STEP_SEQ) tokens."""
+    k_rows = (torch.randn(num_blocks * 64, layout.INDEXER_DIM, generator=g) * 4).to(torch.bfloat16)
+    index_q = torch.randn(2 * len(INDEXER_STEP_SEQ), heads, layout.INDEXER_DIM, generator=g).to(torch.bfloat16)
+    angles = torch.rand(8192, layout.INDEXER_ROPE_PAIRS, generator=g) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    weights = torch.randn(2 * len(INDEXER_STEP_SEQ), heads, generator=g)
+    return k_rows, index_q, cos_sin, weights
+
+
 def indexer_decode_step(device: torch.device) -> Row:
     """One indexer decode step (4 MTP decodes, next_n 2) on `device`: K rows written by indexer_k_quant_and_cache,
     queries by fused_indexer_q_rope_quant, IndexerMetadataBuilder's decode metadata, fp8_fp4_paged_mqa_logits and
@@ -209,12 +222,7 @@ def indexer_decode_step(device: torch.device) -> Row:
     batches = {dev: testing.metadata_step_batches(dev, [2] * len(INDEXER_STEP_SEQ), INDEXER_STEP_SEQ, 8192,
                                                   torch.Generator().manual_seed(12), max_block=num_blocks)[1]
                for dev in {"cpu", str(device)}}
-    k_rows = (torch.randn(num_blocks * 64, layout.INDEXER_DIM, generator=g) * 4).to(torch.bfloat16)
-    index_q = torch.randn(2 * len(INDEXER_STEP_SEQ), heads, layout.INDEXER_DIM, generator=g).to(torch.bfloat16)
-    angles = torch.rand(8192, layout.INDEXER_ROPE_PAIRS, generator=g) * 6.3
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
-    weights = torch.randn(2 * len(INDEXER_STEP_SEQ), heads, generator=g)
-    args = (k_rows, index_q, cos_sin, weights, num_blocks, heads)
+    args = (*_indexer_inputs(g, heads, num_blocks), num_blocks, heads)
     with library.cpu_implementation("reference"):
         want = _indexer_chain("cpu", batches["cpu"], *args)
     def kernels():
@@ -247,6 +255,101 @@ def indexer_decode_step(device: torch.device) -> Row:
     error = "exact (logits within 1e-3 of the row max)" if ok else "; ".join(e for e in errors if e != "exact")
     return Row("indexer decode step (insert, Q quant, builder, paged logits, top-k 512)",
                f"4 MTP decodes, contexts {INDEXER_STEP_SEQ[0]}..{INDEXER_STEP_SEQ[-1]}, {heads} heads", str(device),
+               f"{implementation_name(device)} vs torch reference (cpu)", error, t, ok)
+
+
+ATTENTION_WINDOW = 128
+
+
+def _ds_mla_cache(rows: torch.Tensor, device) -> torch.Tensor:
+    """An fp8_ds_mla cache [nb, 64, 584] (engine page stride) with bf16 `rows` [nb * 64, 512] written at every slot by
+    quantize_and_insert_k_cache."""
+    from . import ops
+
+    bs = layout.SWA_BLOCK_SIZE
+    nb = rows.shape[0] // bs
+    raw = torch.zeros(nb, layout.ds_mla_block_stride(bs), dtype=torch.uint8, device=device)
+    cache = raw[:, :bs * layout.TOKEN_BYTES].view(nb, bs, layout.TOKEN_BYTES)
+    ops.k_cache.quantize_and_insert_k_cache(rows.to(device), cache, torch.arange(nb * bs, device=device), bs)
+    return cache
+
+
+def _attention_chain(device, swa_batch, c4a_table, topk, q, sink, swa_rows, c4a_rows, window):
+    """The attention half of a C4A decode step on `device`: both caches written, the window's slots
+    (compute_swa_indices_and_lens), the indexer's top-k positions as slots of the compressed cache
+    (compute_global_topk_indices_and_lens), and flash_mla_with_kvcache over the two caches. Every request has 2
+    query tokens. Returns (window slots, window lengths, compressed slots, their lengths, out, lse)."""
+    from . import ops
+
+    rows = topk.shape[0]
+    i32 = dict(dtype=torch.int32, device=device)
+    swa, c4a = _ds_mla_cache(swa_rows, device), _ds_mla_cache(c4a_rows, device)
+    t2r = torch.arange(rows, **i32) // 2
+    valid = torch.ones(rows, dtype=torch.bool, device=device)
+    swa_idx = torch.full((rows, 1, window), -1, **i32)
+    swa_lens = torch.zeros(rows, **i32)
+    ops.metadata.compute_swa_indices_and_lens(swa_idx, swa_lens, window, swa_batch.query_start_loc,
+                                              swa_batch.seq_lens, t2r, valid, swa_batch.block_table,
+                                              layout.SWA_BLOCK_SIZE)
+    extra, extra_lens = ops.sparse_index.compute_global_topk_indices_and_lens(
+        topk.to(device), t2r, c4a_table.to(device), layout.SWA_BLOCK_SIZE, valid)
+    out, lse = ops.sparse_mla.flash_mla_with_kvcache(
+        q.to(device), swa, None, None, 512, None, is_fp8_kvcache=True, indices=swa_idx, attn_sink=sink.to(device),
+        extra_k_cache=c4a, extra_indices_in_kvcache=extra.view(rows, 1, -1), topk_length=swa_lens,
+        extra_topk_length=extra_lens)
+    return swa_idx, swa_lens, extra, extra_lens, out, lse
+
+
+def attention_decode_step(device: torch.device) -> Row:
+    """One C4A attention decode step (4 MTP decodes, next_n 2) on `device`: the indexer chain of
+    `indexer_decode_step` and its top-k 512, then `_attention_chain` (window 128 over the SWA cache, the top-k
+    positions over the compressed cache, 64 heads). Against the same attention chain on the CPU reference, fed the
+    device's top-k: indices exact, out within bf16 tolerance, lse within 1e-3 * max(|lse|, 1) (SPEC §3.8)."""
+    from . import ops
+
+    heads = 64 if device.type == "cuda" else 16              # the interpreter is slow
+    index_heads = layout.INDEXER_HEADS if device.type == "cuda" else 16
+    window = ATTENTION_WINDOW if device.type == "cuda" else 32
+    g = torch.Generator().manual_seed(31)
+    num_blocks = 64
+    swa_batch, index_batch = testing.metadata_step_batches(device, [2] * len(INDEXER_STEP_SEQ), INDEXER_STEP_SEQ,
+                                                           8192, torch.Generator().manual_seed(32),
+                                                           max_block=num_blocks)
+    index_args = (*_indexer_inputs(g, index_heads, num_blocks), num_blocks, index_heads)
+    swa_rows, c4a_rows = (torch.randn(num_blocks * 64, 512, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = (torch.randn(2 * len(INDEXER_STEP_SEQ), 1, heads, 512, generator=g) / 512 ** 0.25).to(torch.bfloat16)
+    sink = torch.randn(heads, generator=g)
+    rows = q.shape[0]
+
+    def step():
+        *_, logits, dec = _indexer_chain(device, index_batch, *index_args)
+        topk = torch.empty(rows, layout.INDEX_TOPK, dtype=torch.int32, device=device)
+        ops.topk.top_k_per_row_decode(logits, 2, dec.seq_lens, topk, rows, logits.stride(0), logits.stride(1),
+                                      layout.INDEX_TOPK)
+        return topk, _attention_chain(device, swa_batch, index_batch.block_table, topk, q, sink, swa_rows, c4a_rows,
+                                      window)
+
+    kernels = library.cpu_implementation("triton") if device.type == "cpu" and platform.INTERPRET \
+        else contextlib.nullcontext()
+    results = []
+    with kernels:      # one call on the CPU (the interpreter is slow), the last of the timed ones on a GPU
+        t = _time_us(lambda: results.append(step()), device, repeats=5)
+    topk, got = results[-1]
+    cpu_batch = testing.metadata_step_batches("cpu", [2] * len(INDEXER_STEP_SEQ), INDEXER_STEP_SEQ, 8192,
+                                              torch.Generator().manual_seed(32), max_block=num_blocks)[0]
+    with library.cpu_implementation("reference"):
+        want = _attention_chain("cpu", cpu_batch, index_batch.block_table.cpu(), topk.cpu(), q, sink, swa_rows,
+                                c4a_rows, window)
+    errors = [_compare(g_, w_) for g_, w_ in zip(got[:4], want[:4])]
+    errors.append(_compare(got[4], want[4], approximate=True))
+    lse, ref = got[5].cpu().double(), want[5].double()
+    same = (lse == ref) | (lse.isnan() & ref.isnan())          # equal infinities (an empty selection: +inf)
+    bad = ~(same | ((lse - ref).abs() <= 1e-3 * ref.abs().clamp(min=1.0)))
+    errors.append("exact" if not bad.any() else f"{int(bad.sum())} lse off")
+    ok = all(e == "exact" or e.startswith("within") for e in errors)
+    error = "indices exact, out and lse within SPEC §3.8" if ok else "; ".join(e for e in errors if e != "exact")
+    return Row("C4A attention decode step (indexer, top-k 512, SWA + global indices, sparse MLA)",
+               f"4 MTP decodes, window {window}, {heads} heads", str(device),
                f"{implementation_name(device)} vs torch reference (cpu)", error, t, ok)
 
 
