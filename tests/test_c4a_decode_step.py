@@ -56,7 +56,8 @@ class DecodeStep:
         self.sink = torch.randn(heads, generator=g) - 1.0
 
     def run(self, impl: str):
-        """The step's index ops and attention; returns (out, lse, main slots, extra slots, extra lengths)."""
+        """The step's index ops and attention; returns (out, lse, window slots, the indexer's top-k positions,
+        their slots in the C4A cache, their counts)."""
         dev, T = self.device, self.tokens
         i32 = dict(dtype=torch.int32, device=dev)
         _, _, chosen, _ = run_indexer(self.index, self.topk)
