@@ -261,29 +261,16 @@ def indexer_decode_step(device: torch.device) -> Row:
 ATTENTION_WINDOW = 128
 
 
-def _ds_mla_cache(rows: torch.Tensor, device) -> torch.Tensor:
-    """An fp8_ds_mla cache [nb, 64, 584] (engine page stride) with bf16 `rows` [nb * 64, 512] written at every slot by
-    quantize_and_insert_k_cache."""
-    from . import ops
-
-    bs = layout.SWA_BLOCK_SIZE
-    nb = rows.shape[0] // bs
-    raw = torch.zeros(nb, layout.ds_mla_block_stride(bs), dtype=torch.uint8, device=device)
-    cache = raw[:, :bs * layout.TOKEN_BYTES].view(nb, bs, layout.TOKEN_BYTES)
-    ops.k_cache.quantize_and_insert_k_cache(rows.to(device), cache, torch.arange(nb * bs, device=device), bs)
-    return cache
-
-
-def _attention_chain(device, swa_batch, c4a_table, topk, q, sink, swa_rows, c4a_rows, window):
-    """The attention half of a C4A decode step on `device`: both caches written, the window's slots
-    (compute_swa_indices_and_lens), the indexer's top-k positions as slots of the compressed cache
-    (compute_global_topk_indices_and_lens), and flash_mla_with_kvcache over the two caches. Every request has 2
-    query tokens. Returns (window slots, window lengths, compressed slots, their lengths, out, lse)."""
+def _attention_chain(device, swa_batch, c4a_table, topk, q, sink, swa, c4a, window):
+    """The attention half of a C4A decode step on `device`: the window's slots (compute_swa_indices_and_lens),
+    the indexer's top-k positions as slots of the compressed cache (compute_global_topk_indices_and_lens), and
+    flash_mla_with_kvcache over the SWA cache `swa` and the compressed cache `c4a` (fp8_ds_mla, 64 rows a page).
+    Every request has 2 query tokens. Returns (window slots, window lengths, compressed slots, their lengths, out,
+    lse)."""
     from . import ops
 
     rows = topk.shape[0]
     i32 = dict(dtype=torch.int32, device=device)
-    swa, c4a = _ds_mla_cache(swa_rows, device), _ds_mla_cache(c4a_rows, device)
     t2r = torch.arange(rows, **i32) // 2
     valid = torch.ones(rows, dtype=torch.bool, device=device)
     swa_idx = torch.full((rows, 1, window), -1, **i32)
@@ -316,7 +303,8 @@ def attention_decode_step(device: torch.device) -> Row:
                                                            8192, torch.Generator().manual_seed(32),
                                                            max_block=num_blocks)
     index_args = (*_indexer_inputs(g, index_heads, num_blocks), num_blocks, index_heads)
-    swa_rows, c4a_rows = (torch.randn(num_blocks * 64, 512, generator=g).to(torch.bfloat16) for _ in range(2))
+    # both caches written on the CPU (the writer's own rows check it on the device), every slot a row
+    swa, c4a = (ops.sparse_mla.example_caches(num_blocks, layout.SWA_BLOCK_SIZE, seed=s) for s in (33, 34))
     q = (torch.randn(2 * len(INDEXER_STEP_SEQ), 1, heads, 512, generator=g) / 512 ** 0.25).to(torch.bfloat16)
     sink = torch.randn(heads, generator=g)
     rows = q.shape[0]
@@ -326,9 +314,10 @@ def attention_decode_step(device: torch.device) -> Row:
         topk = torch.empty(rows, layout.INDEX_TOPK, dtype=torch.int32, device=device)
         ops.topk.top_k_per_row_decode(logits, 2, dec.seq_lens, topk, rows, logits.stride(0), logits.stride(1),
                                       layout.INDEX_TOPK)
-        return topk, _attention_chain(device, swa_batch, index_batch.block_table, topk, q, sink, swa_rows, c4a_rows,
+        return topk, _attention_chain(device, swa_batch, index_batch.block_table, topk, q, sink, swa_dev, c4a_dev,
                                       window)
 
+    swa_dev, c4a_dev = swa.to(device), c4a.to(device)
     kernels = library.cpu_implementation("triton") if device.type == "cpu" and platform.INTERPRET \
         else contextlib.nullcontext()
     results = []
@@ -338,8 +327,8 @@ def attention_decode_step(device: torch.device) -> Row:
     cpu_batch = testing.metadata_step_batches("cpu", [2] * len(INDEXER_STEP_SEQ), INDEXER_STEP_SEQ, 8192,
                                               torch.Generator().manual_seed(32), max_block=num_blocks)[0]
     with library.cpu_implementation("reference"):
-        want = _attention_chain("cpu", cpu_batch, index_batch.block_table.cpu(), topk.cpu(), q, sink, swa_rows,
-                                c4a_rows, window)
+        want = _attention_chain("cpu", cpu_batch, index_batch.block_table.cpu(), topk.cpu(), q, sink, swa, c4a,
+                                window)
     errors = [_compare(g_, w_) for g_, w_ in zip(got[:4], want[:4])]
     errors.append(_compare(got[4], want[4], approximate=True))
     lse, ref = got[5].cpu().double(), want[5].double()
