@@ -50,7 +50,7 @@ _EDITS = (
      ["        t3 = _clock(tl.max(x, 0))"]),
     ("        thr, above = _short_search(x, lo, top, c_hi, TOPK, LIMIT)",
      ["        t4 = _clock(above)"]),
-    ("        _select_store(x, col, inside, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK)",
+    ("        _select_store(x, col, inside, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK, ASM)",
      ["        t5 = _clock(_last[0] + _last[1])"] +
      [f"        _stamp(out_row, o_s1, {k}, t{k + 1}, t0, TOPK)" for k in range(STAMPS)]),
 )

@@ -288,7 +288,7 @@ def test_radix_bits_per_triton_version():
 
 
 def test_register_cap_rule():
-    """NVIDIA in-register tiles of at most REG_CAP_WARPS warps are compiled with REG_CAP registers (4 programs per
+    """NVIDIA in-register tiles of at most REG_CAP_WARPS warps are compiled with REG_CAP registers (5 programs per
     SM); 8-warp tiles, streamed rows and other backends are not capped."""
     from torch_dsv4_ops import platform
 

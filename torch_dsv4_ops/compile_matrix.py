@@ -98,6 +98,7 @@ class CaseResult:
     constexprs: dict = dataclasses.field(default_factory=dict)
     fp8_instructions: list = dataclasses.field(default_factory=list)   # fp8 cvt mnemonics in the PTX/AMDGCN
     shared: int = 0                                                     # bytes of shared memory (LDS) per program
+    layout_conversions: int = 0                                         # ttg.convert_layout ops in the TTGIR
 
 
 def compile_case(case: KernelCase, target: platform.Target):
@@ -159,6 +160,7 @@ def run_case(module: str, target: str, name: str) -> CaseResult:
         else:
             result.ok = True
         result.fp8_instructions = fp8_instructions(compiled, tgt)
+        result.layout_conversions = str(compiled.asm.get("ttgir", "")).count("ttg.convert_layout")
     except Exception as exc:   # a failed compile is a result, not a crash
         result.error = _error_text(exc)
     result.seconds = time.perf_counter() - start

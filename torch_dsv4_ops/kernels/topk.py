@@ -36,6 +36,7 @@ import triton.language as tl
 
 from .. import layout, platform
 from ._launch import FastLauncher, launch_options, triton_minor  # noqa: F401  (ops use launch_options)
+from .scatter import scatter, use_asm
 
 if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
     gdc_wait = gdc_launch_dependents = None
@@ -53,9 +54,10 @@ ALIGN = 16                # the window of a row starts at a multiple of ALIGN co
 PER_THREAD = 64           # keys per lane of the in-register path: sets the warps of a tile (H100 sweep, NOTES.md)
 STREAM_PER_THREAD = 16    # keys per lane of a streamed tile
 MAX_WARPS = {"cuda": 32, "hip": 8, "interpreter": 8}
-# Register cap of in-register tiles of at most REG_CAP_WARPS warps (NVIDIA): 4 programs per SM instead of 2 (255
-# registers). H100, prefill 4096 x 8192 causal: 200 us uncapped, 166 at 168, 158 at 128, 167 at 112, 184 at 96.
-REG_CAP = {"cuda": 128}
+# Register cap of in-register tiles of at most REG_CAP_WARPS warps (NVIDIA): 5 programs per SM instead of 2 (255
+# registers). H100, prefill 4096 x 8192 causal, with `scatter` stores: 145 us at 168, 137 at 128, 122 at 104,
+# 119 at 96, 124 at 88, 130 at 80, 146 at 72 (NOTES.md "Top-k stores without a layout conversion").
+REG_CAP = {"cuda": 96}
 REG_CAP_WARPS = 4
 KEY_SIGN = tl.constexpr(0x80000000)
 # tl.histogram's mask argument (recent Triton); without it, lanes outside the candidates count in bin 0 and are
@@ -115,7 +117,7 @@ def _radix_step(hist, skipped, total, k, prefix, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _select_store(key, j, live, thr, need, g_run, e_run, out_row, o_s1, TOPK: tl.constexpr):
+def _select_store(key, j, live, thr, need, g_run, e_run, out_row, o_s1, TOPK: tl.constexpr, ASM: tl.constexpr):
     """Store j at its output position for the taken lanes of one tile (key > thr, or key == thr among the first
     `need` such keys of the row); g_run / e_run: keys > thr / == thr in earlier tiles. Returns the new counts."""
     greater = live & (key > thr)
@@ -126,7 +128,7 @@ def _select_store(key, j, live, thr, need, g_run, e_run, out_row, o_s1, TOPK: tl
     g_before = g_run + (before >> 16)
     pos = g_before + tl.minimum(e_before, need)
     take = (greater | (equal & (e_before < need))) & (pos < TOPK)
-    tl.store(out_row + pos.to(tl.int64) * o_s1, j.to(tl.int32), mask=take)
+    scatter(out_row + pos.to(tl.int64) * o_s1, j.to(tl.int32), take, ASM)
     return g_run + tl.sum(greater.to(tl.int32), 0), e_run + tl.sum(equal.to(tl.int32), 0)
 
 
@@ -201,7 +203,8 @@ def _half_slots(out_row, p, o_s1):
 
 
 @triton.jit
-def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr):
+def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr,
+              ASM: tl.constexpr):
     """A window of at most BLOCK columns (positions j = offs, candidates j - start in [0, n)), keys in registers.
 
     1. `_narrow` until at most LIMIT = min(2 * TOPK - 1, CAP) keys are >= lo.
@@ -215,7 +218,7 @@ def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, 
     if c_lo <= LIMIT:
         flag = (key >= lo.to(tl.uint32)).to(tl.int32)
         pos = tl.cumsum(flag, 0) - flag
-        tl.store(_half_slots(out_row, pos, o_s1), (offs - start).to(tl.int16), mask=flag != 0)
+        scatter(_half_slots(out_row, pos, o_s1), (offs - start).to(tl.int16), flag != 0, ASM)
         tl.debug_barrier()
         p = tl.arange(0, CAP)
         inside = p < c_lo
@@ -223,9 +226,10 @@ def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, 
         x = _load_keys(row, tl.where(inside, col + start, cols), start, n, s1, cols)[0]
         tl.debug_barrier()                     # every slot is read before the selection overwrites it
         thr, above = _short_search(x, lo, top, c_hi, TOPK, LIMIT)
-        _select_store(x, col, inside, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK)
+        _select_store(x, col, inside, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK, ASM)
     else:
-        _select_store(key, offs - start, key != 0, lo.to(tl.uint32), TOPK - c_hi, 0, 0, out_row, o_s1, TOPK)
+        _select_store(key, offs - start, key != 0, lo.to(tl.uint32), TOPK - c_hi, 0, 0, out_row, o_s1, TOPK,
+                      ASM)
 
 
 @triton.jit
@@ -242,7 +246,7 @@ def _tiles_histogram(row, offs, start, n, s1, cols, prefix, SHIFT: tl.constexpr,
 
 @triton.jit
 def _streamed(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, BLOCK: tl.constexpr,
-              RADIX: tl.constexpr):
+              RADIX: tl.constexpr, ASM: tl.constexpr):
     """A longer window: a radix select (32 // RADIX histogram passes) over BLOCK-column tiles read once per pass,
     then one more sweep that stores."""
     PASSES: tl.constexpr = 32 // RADIX
@@ -264,14 +268,14 @@ def _streamed(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, 
     for c0 in range(0, start + n, BLOCK):
         j = c0 + offs
         key, live = _load_keys(row, j, start, n, s1, cols)
-        g_run, e_run = _select_store(key, j - start, live, prefix, k, g_run, e_run, out_row, o_s1, TOPK)
+        g_run, e_run = _select_store(key, j - start, live, prefix, k, g_run, e_run, out_row, o_s1, TOPK, ASM)
 
 
 @triton.jit(do_not_specialize=("n_seq",))
 def topk_per_row_kernel(
     logits_ptr, a_ptr, b_ptr, out_ptr, n_cols, l_s0, l_s1, a_s0, a_s1, b_s0, o_s0, o_s1, next_n, n_seq,
     MODE: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-    RADIX: tl.constexpr, CAP: tl.constexpr, STREAM: tl.constexpr, PDL: tl.constexpr,
+    RADIX: tl.constexpr, CAP: tl.constexpr, STREAM: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Prefill: a = cu_seqlen_ks, b = cu_seqlen_ke. Decode: a = b = seq_lens ([B, next_n] or [B]).
     STREAM: the row is wider than BLOCK, so a window may need the streaming path."""
@@ -309,11 +313,11 @@ def topk_per_row_kernel(
         offs = tl.arange(0, BLOCK)
         if STREAM:
             if start + n <= BLOCK:
-                _one_tile(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP)
+                _one_tile(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP, ASM)
             else:
-                _streamed(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, BLOCK, RADIX)
+                _streamed(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, BLOCK, RADIX, ASM)
         else:
-            _one_tile(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP)
+            _one_tile(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP, ASM)
 
 
 LAUNCHER = FastLauncher(topk_per_row_kernel)
@@ -349,7 +353,7 @@ def constexprs(mode: int, n_cols: int, topk: int, target: platform.Target) -> di
     cap = REG_CAP.get(target.backend) if not stream and warps <= REG_CAP_WARPS else None
     return dict(MODE=mode, TOPK=topk, BLOCK=block, OUT_BLOCK=min(OUT_BLOCK_MAX, triton.next_power_of_2(topk)),
                 ALIGN=ALIGN, RADIX=radix_bits(), CAP=min(2 * triton.next_power_of_2(topk), block),
-                STREAM=stream, PDL=platform.supports_pdl(target), num_warps=warps,
+                STREAM=stream, ASM=use_asm(target), PDL=platform.supports_pdl(target), num_warps=warps,
                 **({"maxnreg": cap} if cap else {}))
 
 
