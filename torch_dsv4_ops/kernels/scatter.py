@@ -22,6 +22,8 @@ def use_asm(target: platform.Target) -> bool:
 @triton.jit
 def scatter(ptr, val, mask, ASM: tl.constexpr):
     """tl.store(ptr, val, mask=mask) for 16- or 32-bit values (ints or floats) at any addresses."""
+    tl.static_assert(val.dtype.primitive_bitwidth == 16 or val.dtype.primitive_bitwidth == 32,
+                     "scatter stores 16- or 32-bit values")
     if ASM:
         if val.dtype.primitive_bitwidth == 16:
             tl.inline_asm_elementwise(
