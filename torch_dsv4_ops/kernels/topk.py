@@ -22,7 +22,8 @@
   load mask is the row end only, the range is applied to the keys).
 
 Runtime: N (logits.shape[1]), every stride, next_n and B (seq_lens rows); constexpr: the mode (prefill,
-decode with 2-D or 1-D seq_lens), TOPK, the tile sizes, STREAM and PDL (SPEC §4 h). No load or store reaches
+decode with 2-D or 1-D seq_lens), TOPK, the tile sizes, STREAM, ASM (the stores to computed positions as
+inline PTX, `kernels/scatter.py`) and PDL (SPEC §4 h). No load or store reaches
 outside the row's [0, N) columns or the tensors' rows (§4 b); offsets inside a row are int32 (the host checks
 that (N - 1) * stride1 fits), row bases int64.
 """
