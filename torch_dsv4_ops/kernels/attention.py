@@ -135,6 +135,17 @@ def _codes(x, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_DTYPE: tl.constexpr
 
 
 @triton.jit
+def _online_weights(s, m_i, l_i):
+    """One online-softmax update (base 2) of the running max m_i and sum l_i [M] by scores s [M, N]: (new max,
+    new sum, weights p [M, N], the old state's factor alpha [M])."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
 def _softmax_step(s, vis, v, m_i, l_i, acc, p_scale, DOT_F32: tl.constexpr, P_SCALED: tl.constexpr,
                   MASKED: tl.constexpr):
     """One online-softmax step (base 2): scores s [M, N] (already scaled by log2 e), masked by vis where
@@ -142,11 +153,7 @@ def _softmax_step(s, vis, v, m_i, l_i, acc, p_scale, DOT_F32: tl.constexpr, P_SC
     P_SCALED."""
     if MASKED:
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, l_i, p, alpha = _online_weights(s, m_i, l_i)
     if P_SCALED:
         p = p * p_scale
     if DOT_F32:

@@ -27,7 +27,7 @@ from .. import layout, platform
 from ..reference.k_cache import fp8_format
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
 from .attention import device_multiprocessors  # noqa: F401  (ops plan splits with it)
-from .attention import _softmax_step, write_out
+from .attention import _online_weights, _softmax_step, write_out
 from .fp8 import fp8_decode
 
 SOURCE_FP8, SOURCE_BF16 = 0, 1     # constexpr SOURCE: paged fp8_ds_mla caches (decode), bf16 rows (prefill)
@@ -39,31 +39,33 @@ MIN_TILES_PER_SPLIT = 1
 SMALL_DECODE_ROWS = 4             # decode calls of at most this many query rows: 16-head blocks, 32-row steps
 SMEM_64_ROW_STEPS = 200 * 1024    # shared memory (bytes) that 64-head blocks with 64-row steps need on NVIDIA (sm_90)
 SMEM_64_HEADS = 160 * 1024        # ... with 32-row steps (sm_80); below it (sm_86/89/120: 99 KB), 32-head blocks
+# Decode rows of at least HALF_TILE_STEPS steps take each step's rows as two [BLOCK_N, D/2] tiles (`_step_halves`):
+# H100, C4A B = 64 70.7 -> 63.5 us, B = 256 204 -> 181 us, B = 1 8.6 -> 8.3 us; SWA-only B = 256 (2 steps) lost,
+# 53 -> 62 us (NOTES.md "Sparse MLA decode in two halves"). Measured on sm_90 only; the
+# interpreter takes it too, so that the CPU tests run it.
+HALF_TILE_STEPS = 4
 
 
 @triton.jit
 def _fp8_rows(cache_ptr, slot, ok, page_stride, BS: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr,
               BLOCK_N: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, QB: tl.constexpr,
-              DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """[BLOCK_N, D] rows (in DOT_DTYPE) of slots `slot` (int64, valid where ok) of an fp8_ds_mla cache,
-    dequantised exactly (codes x 2^(byte - 127) for dims < NOPE, RoPE bf16 bits above; every value is a
-    bf16); zeros where not ok. The tile is built as [BLOCK_N, D/QB, QB] so that each quant block's scale is
-    computed once and broadcast."""
-    NQB: tl.constexpr = D // QB
+              DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              Q0: tl.constexpr = 0, NQB: tl.constexpr = 0):
+    """[BLOCK_N, NQB * QB] rows (in DOT_DTYPE) of slots `slot` (int64, valid where ok) of an fp8_ds_mla cache:
+    quant blocks [Q0, Q0 + NQB) of each row (NQB = 0: all D // QB), dequantised exactly (codes x 2^(byte - 127)
+    for dims < NOPE, RoPE bf16 bits above; every value is a bf16); zeros where not ok. The tile is built as
+    [BLOCK_N, NQB, QB] so that each quant block's scale is computed once and broadcast."""
+    NB: tl.constexpr = D // QB if NQB == 0 else NQB
     s = tl.where(ok, slot, 0)
     blk = s // BS
     off = s % BS
     page = blk * page_stride
     data = page + off * DATA_BYTES                                        # [N] byte offsets (int64)
-    qb = tl.arange(0, NQB)
-    col = qb[:, None] * QB + tl.arange(0, QB)[None, :]                    # [NQB, QB] dims
+    qb = Q0 + tl.arange(0, NB)
+    col = qb[:, None] * QB + tl.arange(0, QB)[None, :]                    # [NB, QB] dims
     nope = qb < NOPE // QB
     ok3 = ok[:, None, None]
     codes = tl.load(cache_ptr + data[:, None, None] + col[None, :, :], mask=ok3 & nope[None, :, None], other=0)
-    # RoPE bf16 bits: one quant block wide, broadcast into the last block of the tile
-    tl.static_assert(D - NOPE == QB)
-    rope_ptr = (cache_ptr + data + NOPE).to(tl.pointer_type(tl.int16))
-    rope = tl.load(rope_ptr[:, None] + tl.arange(0, QB)[None, :], mask=ok[:, None], other=0)
     # the token's 8 scale bytes as one word (pointer and page stride are multiples of 8), so that the pipeliner
     # copies it asynchronously with the codes
     tl.static_assert(SCALE_BYTES == 8)
@@ -73,9 +75,16 @@ def _fp8_rows(cache_ptr, slot, ok, page_stride, BS: tl.constexpr, FMT: tl.conste
     # 2^(byte - 127) from its bits; byte 0 is the subnormal 2^-127
     scale = tl.where(sbytes == 0, 1 << 22, sbytes << 23).to(tl.float32, bitcast=True)
     nope_val = fp8_decode(codes, FMT, SW) * scale[:, :, None]
-    rope_val = (rope.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    val = tl.where(nope[None, :, None], nope_val, rope_val[:, None, :]).to(DOT_DTYPE)
-    return tl.reshape(val, (BLOCK_N, D))
+    tl.static_assert(D - NOPE == QB)
+    if Q0 + NB > NOPE // QB:
+        # RoPE bf16 bits: one quant block wide, broadcast into the last block of the tile
+        rope_ptr = (cache_ptr + data + NOPE).to(tl.pointer_type(tl.int16))
+        rope = tl.load(rope_ptr[:, None] + tl.arange(0, QB)[None, :], mask=ok[:, None], other=0)
+        rope_val = (rope.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        val = tl.where(nope[None, :, None], nope_val, rope_val[:, None, :]).to(DOT_DTYPE)
+    else:
+        val = nope_val.to(DOT_DTYPE)
+    return tl.reshape(val, (BLOCK_N, NB * QB))
 
 
 @triton.jit
@@ -100,6 +109,37 @@ def _step(q, m_i, l_i, acc, idx_row, i_s2, pos, n_sel, num_rows, src_ptr, page_s
     else:
         s = tl.dot(q, tl.trans(kv))
     return _softmax_step(s * scale, ok[None, :], kv, m_i, l_i, acc, 1.0, DOT_F32, False, True)
+
+
+@triton.jit
+def _step_halves(q0, q1, m_i, l_i, acc0, acc1, idx_row, i_s2, pos, n_sel, num_rows, src_ptr, page_stride, scale,
+                 BS: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 NOPE: tl.constexpr, QB: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """`_step` over an fp8_ds_mla cache with the row's dims in two halves: the scores' product of the first half
+    can run while the second half is dequantised, and a half's tile at a time is live in registers. acc0 / acc1:
+    output dims [0, D/2) / [D/2, D)."""
+    in_len = pos < n_sel
+    slot = tl.load(idx_row + pos * i_s2, mask=in_len, other=-1).to(tl.int64)
+    ok = in_len & (slot >= 0) & (slot < num_rows)
+    DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
+    HB: tl.constexpr = D // QB // 2
+    kv0 = _fp8_rows(src_ptr, slot, ok, page_stride, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES, SCALE_BYTES,
+                    DOT_DTYPE, 0, HB)
+    kv1 = _fp8_rows(src_ptr, slot, ok, page_stride, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES, SCALE_BYTES,
+                    DOT_DTYPE, HB, HB)
+    if DOT_F32:
+        s = tl.dot(q1, tl.trans(kv1), tl.dot(q0, tl.trans(kv0), input_precision="ieee"), input_precision="ieee")
+    else:
+        s = tl.dot(q1, tl.trans(kv1), tl.dot(q0, tl.trans(kv0)))
+    m_new, l_i, p, alpha = _online_weights(tl.where(ok[None, :], s * scale, float("-inf")), m_i, l_i)
+    if DOT_F32:
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0, input_precision="ieee")
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1, input_precision="ieee")
+    else:
+        acc0 = acc0 * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv0)
+        acc1 = acc1 * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv1)
+    return m_new, l_i, acc0, acc1
 
 
 @triton.jit
@@ -139,7 +179,7 @@ def sparse_mla_kernel(
     HAS_LEN: tl.constexpr, HAS_X_LEN: tl.constexpr, SINKS: tl.constexpr, SPLIT: tl.constexpr,
     WRITE_MAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
     QB: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, DOT_F32: tl.constexpr,
-    O_BITS: tl.constexpr,
+    O_BITS: tl.constexpr, HALVES: tl.constexpr,
 ):
     """Program (t, hb, s); see the module docstring. Strides are in elements of each tensor (bytes for
     caches: page_stride; rows for the bf16 source: page_stride is its row stride)."""
@@ -175,19 +215,41 @@ def sparse_mla_kernel(
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
     n = tl.arange(0, BLOCK_N)
     idx_row = idx_ptr + b * i_s0 + j * i_s1
-    for it in range(t_lo, tl.minimum(t_hi, tiles_main)):
-        m_i, l_i, acc = _step(q, m_i, l_i, acc, idx_row, i_s2, it * BLOCK_N + n, n_main, num_rows, src_ptr,
-                              page_stride, d, scale, SOURCE, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES,
-                              SCALE_BYTES, DOT_F32)
-    if EXTRA:
-        x_row = x_idx_ptr + b * x_s0 + j * x_s1
-        for it in range(tl.maximum(t_lo, tiles_main), t_hi):
-            m_i, l_i, acc = _step(q, m_i, l_i, acc, x_row, x_s2, (it - tiles_main) * BLOCK_N + n, n_x, x_num_rows,
-                                  x_src_ptr, x_page_stride, d, scale, SOURCE, X_BS, X_FMT, X_SW, BLOCK_N, D, NOPE, QB,
-                                  DATA_BYTES, SCALE_BYTES, DOT_F32)
+    if HALVES:
+        dh = tl.arange(0, D // 2)
+        q0 = tl.load(q_row + h[:, None] * q_s2 + dh[None, :], mask=head_ok[:, None], other=0)
+        q1 = tl.load(q_row + h[:, None] * q_s2 + (D // 2 + dh)[None, :], mask=head_ok[:, None], other=0)
+        if DOT_F32:
+            q0 = q0.to(tl.float32)
+            q1 = q1.to(tl.float32)
+        acc0 = tl.zeros((BLOCK_H, D // 2), tl.float32)
+        acc1 = tl.zeros((BLOCK_H, D // 2), tl.float32)
+        for it in range(t_lo, tl.minimum(t_hi, tiles_main)):
+            m_i, l_i, acc0, acc1 = _step_halves(q0, q1, m_i, l_i, acc0, acc1, idx_row, i_s2, it * BLOCK_N + n,
+                                                n_main, num_rows, src_ptr, page_stride, scale, BS, FMT, SW, BLOCK_N,
+                                                D, NOPE, QB, DATA_BYTES, SCALE_BYTES, DOT_F32)
+        if EXTRA:
+            x_row = x_idx_ptr + b * x_s0 + j * x_s1
+            for it in range(tl.maximum(t_lo, tiles_main), t_hi):
+                m_i, l_i, acc0, acc1 = _step_halves(q0, q1, m_i, l_i, acc0, acc1, x_row, x_s2,
+                                                    (it - tiles_main) * BLOCK_N + n, n_x, x_num_rows, x_src_ptr,
+                                                    x_page_stride, scale, X_BS, X_FMT, X_SW, BLOCK_N, D, NOPE, QB,
+                                                    DATA_BYTES, SCALE_BYTES, DOT_F32)
+        acc = tl.reshape(tl.permute(tl.join(acc0, acc1), (0, 2, 1)), (BLOCK_H, D))   # [acc0 | acc1]
+    else:
+        acc = tl.zeros((BLOCK_H, D), tl.float32)
+        for it in range(t_lo, tl.minimum(t_hi, tiles_main)):
+            m_i, l_i, acc = _step(q, m_i, l_i, acc, idx_row, i_s2, it * BLOCK_N + n, n_main, num_rows, src_ptr,
+                                  page_stride, d, scale, SOURCE, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES,
+                                  SCALE_BYTES, DOT_F32)
+        if EXTRA:
+            x_row = x_idx_ptr + b * x_s0 + j * x_s1
+            for it in range(tl.maximum(t_lo, tiles_main), t_hi):
+                m_i, l_i, acc = _step(q, m_i, l_i, acc, x_row, x_s2, (it - tiles_main) * BLOCK_N + n, n_x,
+                                      x_num_rows, x_src_ptr, x_page_stride, d, scale, SOURCE, X_BS, X_FMT, X_SW,
+                                      BLOCK_N, D, NOPE, QB, DATA_BYTES, SCALE_BYTES, DOT_F32)
 
     if SPLIT:
         # partials of (t, h, split): acc at ((t*Hq + h)*splits + split)*D, (max, sum) at ml_base + 2*that row
@@ -312,9 +374,17 @@ def workspace_elements(rows: int, hq: int, splits: int) -> tuple[int, int]:
     return n * (layout.HEAD_DIM + 2), n * layout.HEAD_DIM
 
 
+def half_tiles(target: platform.Target, prefill: bool, positions: int, block_n: int) -> bool:
+    """Whether a decode launch over rows of `positions` selected positions (main + extra width) takes the
+    two-half steps (`HALF_TILE_STEPS`)."""
+    measured = target.backend == "interpreter" or (target.backend == "cuda" and target.arch == 90)
+    return measured and not prefill and positions >= HALF_TILE_STEPS * block_n
+
+
 def constexprs(target: platform.Target, main: Source, extra: Source | None, has_len: bool, has_x_len: bool,
-               sinks: bool, split: bool, hq: int, prefill: bool, small: bool = False) -> dict:
-    """Constexprs (with num_warps/num_stages) of `sparse_mla_kernel` (`small`: a `small_decode`)."""
+               sinks: bool, split: bool, hq: int, prefill: bool, small: bool = False, positions: int = 0) -> dict:
+    """Constexprs (with num_warps/num_stages) of `sparse_mla_kernel` (`small`: a `small_decode`; `positions`: the
+    index columns of a row, main + extra)."""
     interpret = target.backend == "interpreter"
     small = small and not prefill
     tile = tiles(target, prefill, small, split)
@@ -331,7 +401,8 @@ def constexprs(target: platform.Target, main: Source, extra: Source | None, has_
                 HAS_X_LEN=has_x_len and extra is not None, SINKS=sinks, SPLIT=split, WRITE_MAX=prefill,
                 BLOCK_H=block_h(hq, target, small), BLOCK_N=tile["BLOCK_N"], D=layout.HEAD_DIM, NOPE=layout.NOPE_DIM,
                 QB=layout.QUANT_BLOCK, DATA_BYTES=layout.TOKEN_DATA_BYTES, SCALE_BYTES=layout.SCALE_BYTES,
-                DOT_F32=interpret, O_BITS=interpret, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+                DOT_F32=interpret, O_BITS=interpret, HALVES=half_tiles(target, prefill, positions, tile["BLOCK_N"]),
+                num_warps=tile["num_warps"], num_stages=tile["num_stages"])
 
 
 def combine_constexprs(target: platform.Target, sinks: bool, splits: int) -> dict:
@@ -348,8 +419,9 @@ def matrix_launch(target: platform.Target, name: str, hq: int, main: Source, ext
     """What ops/sparse_mla.py passes to sparse_mla_kernel for one call (B 4, s_q 1, contiguous tensors)."""
     from .matrix import Ptr
 
-    meta = launch_options(constexprs(target, main, extra, has_len, has_len, sinks, split, hq, prefill, small))
     rows, width, x_width, nb = 4, 640 if not extra else 128, 512, 16
+    meta = launch_options(constexprs(target, main, extra, has_len, has_len, sinks, split, hq, prefill, small,
+                                     width + (x_width if extra else 0)))
     d = layout.HEAD_DIM
     src = Ptr(torch.bfloat16) if prefill else Ptr(torch.uint8)
     tensors = (Ptr(torch.bfloat16), src, Ptr(torch.int32), Ptr(torch.int32), src, Ptr(torch.int32),

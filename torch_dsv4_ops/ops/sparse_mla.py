@@ -277,7 +277,7 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     x_src = kernels.Source(extra.bs, extra_use_fnuz) if extra is not None else None
     meta = kernels.launch_options(kernels.constexprs(
         target, kernels.Source(main.bs, use_fnuz), x_src, topk_length is not None, extra_topk_length is not None,
-        attn_sink is not None, splits > 1, checked.hq, False, small))
+        attn_sink is not None, splits > 1, checked.hq, False, small, width + x_width))
     xi = extra_indices if extra is not None else indices
     ints = (checked.s_q, checked.hq, float(softmax_scale), width, x_width, main.num_blocks * main.bs,
             extra.num_blocks * extra.bs if extra is not None else 0, main.page_stride,
