@@ -622,6 +622,22 @@ def test_forced_splits_bounds():
                 pass
 
 
+def test_half_tiles_rule():
+    """Decode rows of at least HALF_TILE_STEPS steps take the two-half steps on sm_90 (the target measured) and under
+    the interpreter (so that the CPU tests run them); rows of fewer steps, prefill and other targets keep one tile."""
+    sm90, sm80, gfx = TARGETS_BY_NAME["sm_90"], TARGETS_BY_NAME["sm_80"], TARGETS_BY_NAME["gfx942"]
+    steps = kernels.HALF_TILE_STEPS
+    assert kernels.half_tiles(sm90, False, steps * 64, 64)
+    assert not kernels.half_tiles(sm90, False, steps * 64 - 1, 64)          # SWA-only rows: 128 positions
+    assert not kernels.half_tiles(sm90, True, 4096, 64)
+    assert not kernels.half_tiles(sm80, False, 4096, 32) and not kernels.half_tiles(gfx, False, 4096, 64)
+    assert kernels.half_tiles(platform.INTERPRETER_TARGET, False, steps * 16, 16)
+    c4a = dict(main=kernels.Source(64, False), extra=kernels.Source(64, False), has_len=True, has_x_len=True,
+               sinks=False, split=True, hq=64, prefill=False)
+    assert kernels.constexprs(sm90, **c4a, positions=128 + 512)["HALVES"]
+    assert not kernels.constexprs(sm90, **c4a, positions=128)["HALVES"]
+
+
 ROWS_CPU = [(1, 1), (3, 2), (24, 1)]
 ROWS_GPU = ROWS_CPU + [(64, 1), (100, 3), (256, 2)]
 

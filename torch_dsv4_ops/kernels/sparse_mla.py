@@ -8,7 +8,8 @@ dimension of both dots, so every selected row is loaded and dequantised once per
 MIN_BLOCK_H heads, so that its programs cover the GPU, `small_decode`). Each step takes BLOCK_N positions
 of the concatenated list [main indices[:len] | extra indices[:len_extra]], loads the valid rows as one
 [BLOCK_N, 512] tile (NoPE codes times their UE8M0 scale, RoPE bf16 bits; exact, §2.1) and runs an online
-softmax in base 2.
+softmax in base 2. Decode rows of at least HALF_TILE_STEPS steps (`half_tiles`: sm_90 and the interpreter) take the
+rows as two [BLOCK_N, 256] tiles with an accumulator each (`_step_halves`).
 A row whose index is invalid is not loaded. Unsplit, the program writes out/lse (and max_logits);
 split, it writes (max, sum, unnormalised output) partials that `combine_kernel` merges, adding the sink.
 
