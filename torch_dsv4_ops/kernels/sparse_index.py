@@ -23,6 +23,8 @@ import triton.language as tl
 from .. import layout, platform
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
 from .attention import device_multiprocessors
+from . import early
+from .early import TOUCH, pdl_open, pdl_wait, touch
 
 SEARCH = 256              # combine, flashinfer: most query_start_loc entries one vector holds (one round)
 MIN_SEARCH = 32           # ... and the fewest (a warp's width)
@@ -47,6 +49,14 @@ def _pdl_start(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def _touch_row(row_ptr, s1, n, BLOCK: tl.constexpr):
+    """`touch` the 32-byte sectors of the first n (< BLOCK) int32 elements row_ptr[0], row_ptr[s1], ... (each sector
+    once where the row is contiguous)."""
+    e = tl.arange(0, BLOCK // 8) * 8
+    touch(row_ptr + e.to(tl.int64) * s1, e < n)
 
 
 @triton.jit
@@ -344,14 +354,22 @@ def combine_kernel(
     T, Rc, seg, M, N, width, topk_s0, topk_s1, qsl_s, seq_s, gl_s, out_s0, out_s1, lens_s,
     WINDOW: tl.constexpr, RATIO: tl.constexpr, TOPK: tl.constexpr, WRITE_UNCOVERED: tl.constexpr,
     BLOCK: tl.constexpr, SWA_BLOCK: tl.constexpr, SEARCH: tl.constexpr, ONE_ROUND: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     # rows pid, pid + G, ... (G programs): the next row's first tile of top-k indices loads before this
     # row's stores; with Rc <= SEARCH the request vectors load once per program
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
-    _pdl_start(PDL)
+    pdl_open(PDL, EARLY)
+    if PDL and EARLY & TOUCH:       # the first row's top-k tile and the request vectors
+        if TOPK > 0:
+            _touch_row(topk_ptr + pid.to(tl.int64) * topk_s0, topk_s1, TOPK, BLOCK)
+        if ONE_ROUND:
+            _touch_row(qsl_ptr, qsl_s, Rc + 1, SEARCH)
+            _touch_row(seq_ptr, seq_s, Rc, SEARCH)
+            _touch_row(gl_ptr, gl_s, Rc, SEARCH)
+    pdl_wait(PDL, EARLY)
     if ONE_ROUND:
         base, a0, a1, seqv, glv = _request_vectors(qsl_ptr, seq_ptr, gl_ptr, Rc, qsl_s, seq_s, gl_s, SEARCH)
     loc = cols * 0 - 1
@@ -415,7 +433,7 @@ def flashinfer_kernel(
     WINDOW: tl.constexpr, RATIO: tl.constexpr, TOPK: tl.constexpr, LOCAL: tl.constexpr,
     HAS_DLENS: tl.constexpr, HAS_DVALID: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH: tl.constexpr, ONE_ROUND: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cw = tl.arange(0, BLOCK_W)
@@ -430,7 +448,16 @@ def flashinfer_kernel(
     n_wswa = tl.where(is_dec, Wswa, 0)
     n_kd = tl.where(is_dec, Kd, 0)
     n_kp = tl.where(is_dec, 0, Kp)
-    _pdl_start(PDL)
+    pdl_open(PDL, EARLY)
+    if PDL and EARLY & TOUCH:       # the row's request id, the first tile of each index row, the request vectors
+        touch(t2r_ptr + t * t2r_s, t >= 0)
+        _touch_row(dswa_row, dswa_s1, n_wswa, BLOCK_W)
+        _touch_row(dcomp_row, dcomp_s1, n_kd, BLOCK_P)
+        _touch_row(ptopk_row, ptopk_s1, n_kp, BLOCK_P)
+        if ONE_ROUND:
+            _touch_row(qsl_ptr, qsl_s, tl.where(is_dec, 0, R + 1), SEARCH)
+            _touch_row(seq_ptr, seq_s, tl.where(is_dec, 0, R), SEARCH)
+    pdl_wait(PDL, EARLY)
     # the loads that need no other load: the request and the first tile of each index row
     r = tl.load(t2r_ptr + t * t2r_s).to(tl.int64)
     vw = tl.load(dswa_row + cw.to(tl.int64) * dswa_s1, mask=cw < n_wswa, other=-1)
@@ -598,10 +625,13 @@ LAUNCHERS = {"global": GLOBAL_LAUNCHER, "combine": COMBINE_LAUNCHER, "flashinfer
 # --- constexprs and runtime arguments (shared by the ops and the compile matrix) ------------------
 # int32 columns per lane (so warps per program) of each kernel, and the row counts from which a kernel takes one
 # warp per row instead (its scalar work then is not repeated per warp; few rows are latency-bound and take more
-# warps). Measured on an H100 (NOTES.md): global 1 warp from 2048 rows; flashinfer keeps 4 warps at 4096 rows.
+# warps), or at most two (TWO_WARP_ROWS). Measured on an H100 (NOTES.md): global 1 warp from 2048 rows; flashinfer 2
+# warps from 2048 rows (T = 4096 with its dependents launched late: 8.41 us on 4 warps, 7.50 on 2, 7.66 on 1).
 PER_THREAD = {"global": 4, "combine": 16, "flashinfer": 4, "c128a": 4, "fill": 4}
 ONE_WARP_ROWS = {"global": 2048}
+TWO_WARP_ROWS = {"flashinfer": 2048}
 ROW_PROGRAMS_PER_SM = 32    # combine: programs per SM; more rows than that loop, one row's loads ahead
+FLASHINFER_TOUCH_ROWS = 2048   # flashinfer: launches of at most this many rows touch their inputs early (flashinfer_early)
 # c128a: launches of at most this many rows read table row t's first tile before token_to_req[t] arrives
 # (one round of loads fewer when t is request t's token; a wasted tile read otherwise). Larger launches are
 # bandwidth-bound and read only the entries they need.
@@ -611,7 +641,8 @@ GUESS_ROWS = 1024
 def _warps(target: platform.Target, block: int, kernel: str, rows: int) -> int:
     if rows >= ONE_WARP_ROWS.get(kernel, rows + 1):
         return 1
-    return platform.num_warps_for(target, block, per_thread=PER_THREAD[kernel])
+    warps = platform.num_warps_for(target, block, per_thread=PER_THREAD[kernel])
+    return min(warps, 2) if rows >= TWO_WARP_ROWS.get(kernel, rows + 1) else warps
 
 
 def request_search(entries: int) -> tuple[int, bool]:
@@ -641,6 +672,7 @@ def combine_constexprs(window_size: int, compress_ratio: int, topk: int, write_u
     search, one_round = request_search(Rc)      # qsl[k], qsl[k + 1], seq_lens[k], gather_lens[k] for k < Rc
     return dict(WINDOW=window_size, RATIO=compress_ratio, TOPK=topk, WRITE_UNCOVERED=write_uncovered, BLOCK=block,
                 SWA_BLOCK=swa_block, SEARCH=search, ONE_ROUND=one_round, PDL=platform.supports_pdl(target),
+                EARLY=early.flags(touch=early.use_early(target)),
                 num_warps=_warps(target, max(block, swa_block), "combine", rows))
 
 
@@ -662,7 +694,18 @@ def flashinfer_constexprs(swa_block_size, swa_span, compressed_block_size, compr
     return dict(SBS=swa_block_size, SSPAN=swa_span, CBS=compressed_block_size, CSPAN=compressed_span,
                 WINDOW=window_size, RATIO=compress_ratio, TOPK=topk, LOCAL=local, HAS_DLENS=has_dlens,
                 HAS_DVALID=has_dvalid, BLOCK_W=block_w, BLOCK_P=block_p, SEARCH=search, ONE_ROUND=one_round,
-                PDL=platform.supports_pdl(target), num_warps=_warps(target, max(block_w, block_p), "flashinfer", rows))
+                PDL=platform.supports_pdl(target), EARLY=flashinfer_early(rows, target),
+                num_warps=_warps(target, max(block_w, block_p), "flashinfer", rows))
+
+
+def flashinfer_early(rows: int, target: platform.Target) -> int:
+    """flashinfer_kernel's EARLY flags (`kernels/early.py`) on PDL targets: launches of at most FLASHINFER_TOUCH_ROWS
+    rows touch their rows' first inputs before the wait; larger ones launch their dependents after it. H100 (NOTES.md,
+    "Work before the wait"): T = 256 2.01 -> 1.95 us touched (2.14 late); T = 2048 (2 warps) 5.20 -> 4.38 us touched
+    (4.80 late); T = 4096 (2 warps) 9.16 -> 7.50 us late (8.07 touched)."""
+    if not early.use_early(target):
+        return 0
+    return early.flags(touch=True) if rows <= FLASHINFER_TOUCH_ROWS else early.flags(late=True)
 
 
 def flashinfer_runtime_args(Td, Wswa, Kd, Kp, P, R, dswa, dcomp_strides, dlens_s, ptopk, qsl, seq, t2r, sbt, cbt,

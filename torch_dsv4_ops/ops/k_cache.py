@@ -148,7 +148,7 @@ def _gather_plan(out, k_cache, seq_lens, gather_lens, block_table, block_size, o
                                        out.stride(), block_table.stride(), block_table.shape[1], nb, block_stride,
                                        width, offset)
     dtypes = (torch.bfloat16, torch.uint8, seq_lens.dtype, seq_lens.dtype, block_table.dtype)
-    grid = (requests, kernels.gather_workers(width))
+    grid = (requests, kernels.gather_workers(width, target))
     return kernels.GATHER_LAUNCHER.bind(grid, dtypes, ints, meta, k_cache.device)
 
 

@@ -1,0 +1,146 @@
+"""Reads before `gdc_wait` (`kernels/early.py`) never reach a result (GPU, PDL targets).
+
+Each op that reads its inputs early runs right after a kernel that rewrote them, inside a captured graph, and must
+see the new values: the early reads are stale whenever the predecessor is still writing, and only their L2 traffic
+may differ. The predecessors are our own programmatic-dependent top-k (it launches its dependents at its start and
+writes its indices at its end) or torch kernels.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_dsv4_ops as d
+from torch_dsv4_ops import layout, platform
+from torch_dsv4_ops.kernels import early, k_cache, sparse_index
+from torch_dsv4_ops.testing import assert_bitwise_equal
+
+pytestmark = pytest.mark.gpu
+
+WINDOW, RATIO, TOPK = layout.SLIDING_WINDOW, 4, layout.INDEX_TOPK
+
+
+@pytest.fixture
+def cuda_early():
+    if not torch.cuda.is_available() or not early.use_early(platform.target_for(torch.device("cuda"))):
+        pytest.skip("needs a GPU with programmatic dependent launch")
+
+
+def _replay_and_check(step, expected, outputs, what, rounds=3):
+    """Capture step() once and replay it: after each replay, outputs equal expected() (computed on the CPU)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(rounds):
+        graph.replay()
+        torch.cuda.synchronize()
+        for k, (got, exp) in enumerate(zip(outputs, expected())):
+            assert_bitwise_equal(got.cpu(), exp, f"{what}: replay {i}, output {k}")
+
+
+def _topk_rows(rows, n_cols, seed):
+    """Logits for `rows` decode rows, their lengths, and an index buffer the top-k writes."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, n_cols, generator=g).cuda()
+    seq = torch.full((rows,), n_cols, dtype=torch.int32, device="cuda")
+    return logits, seq, torch.zeros(rows, TOPK, dtype=torch.int32, device="cuda")
+
+
+def _cpu_topk(logits, seq, rows, n_cols):
+    idx = torch.empty(rows, TOPK, dtype=torch.int32)
+    with d.cpu_implementation("reference"):
+        d.top_k_per_row_decode(logits.cpu(), 1, seq.cpu(), idx, rows, None, None, TOPK)
+    return idx
+
+
+@pytest.mark.parametrize("rows", [64, 256])
+def test_combine_sees_indices_written_just_before(cuda_early, rows):
+    """combine touches its first top-k tile and request vectors early (EARLY has TOUCH)."""
+    assert sparse_index.combine_constexprs(WINDOW, RATIO, TOPK, True, rows, rows, platform.target_for(
+        torch.device("cuda")))["EARLY"] & early.TOUCH.value
+    n_cols = 4096
+    logits, seq_k, idx = _topk_rows(rows, n_cols, rows)
+    qsl = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
+    seq = 4096 + 37 * torch.arange(rows, dtype=torch.int32, device="cuda")
+    gl = 1 + torch.clamp(seq - 1, max=WINDOW - 1)
+    N = int(seq.max()) // RATIO
+    M = N + int(gl.max())
+    out = (torch.empty(rows, layout.combine_width(TOPK, WINDOW), dtype=torch.int32, device="cuda"),
+           torch.empty(rows, dtype=torch.int32, device="cuda"))
+
+    def step():
+        logits.neg_()
+        d.top_k_per_row_decode(logits, 1, seq_k, idx, rows, None, None, TOPK)
+        d.combine_topk_swa_indices(idx, qsl, seq, gl, WINDOW, RATIO, TOPK, M, N, out=out)
+
+    def expected():
+        with d.cpu_implementation("reference"):
+            return d.combine_topk_swa_indices(_cpu_topk(logits, seq_k, rows, n_cols), qsl.cpu(), seq.cpu(), gl.cpu(),
+                                              WINDOW, RATIO, TOPK, M, N)
+
+    _replay_and_check(step, expected, out, "combine after the top-k")
+
+
+@pytest.mark.parametrize("rows", [256, 4096])
+def test_flashinfer_sees_indices_written_just_before(cuda_early, rows):
+    """flashinfer touches its rows' first inputs early at decode sizes and launches late above them."""
+    n_cols = 4096
+    logits, seq_k, dcomp = _topk_rows(rows, n_cols, rows + 1)
+    g = torch.Generator().manual_seed(rows)
+    dswa = torch.randint(0, 2**30, (rows, WINDOW), generator=g, dtype=torch.int32).cuda()
+    qsl = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
+    seq = 4096 + 37 * torch.arange(rows, dtype=torch.int32, device="cuda")
+    t2r = torch.arange(rows, dtype=torch.int32, device="cuda")
+    cbt = torch.randint(0, 50000, (rows, n_cols // 64 + 1), generator=g, dtype=torch.int32).cuda()
+    valid = torch.ones(rows, dtype=torch.bool, device="cuda")
+    P = layout.flashinfer_compressed_width(TOPK, TOPK)
+    out = (torch.empty(rows, WINDOW + P, dtype=torch.int32, device="cuda"),
+           torch.empty(rows, dtype=torch.int32, device="cuda"))
+    empty = torch.empty(0, TOPK, dtype=torch.int32, device="cuda")
+
+    def args(dcomp_):
+        return (dswa, dcomp_, None, empty, qsl, seq, t2r, cbt, 64, cbt, 64, WINDOW, RATIO, TOPK, True, valid)
+
+    def step():
+        logits.neg_()
+        d.top_k_per_row_decode(logits, 1, seq_k, dcomp, rows, None, None, TOPK)
+        dswa.add_(1)
+        d.build_flashinfer_mixed_sparse_indices(*args(dcomp), out=out)
+
+    def expected():
+        cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args(_cpu_topk(logits, seq_k, rows, n_cols))]
+        with d.cpu_implementation("reference"):
+            return d.build_flashinfer_mixed_sparse_indices(*cpu)
+
+    _replay_and_check(step, expected, out, "flashinfer after the top-k")
+
+
+def test_window_gather_sees_lengths_and_table_written_just_before(cuda_early):
+    """The window gather reads lengths and table entries early and touches the pages they name (EARLY = TOUCH |
+    LATE); torch kernels move the lengths and rotate the table right before it."""
+    bs, R, width = 64, 16, 128
+    assert k_cache.gather_early(width, platform.target_for(torch.device("cuda"))) & early.TOUCH.value
+    g = torch.Generator().manual_seed(0)
+    nb = 4 * R
+    k = torch.randn(nb * bs, layout.HEAD_DIM, generator=g).to(torch.bfloat16).cuda()
+    cache = torch.zeros(nb, layout.ds_mla_block_stride(bs), dtype=torch.uint8, device="cuda")
+    d.quantize_and_insert_k_cache(k, cache, torch.arange(nb * bs, device="cuda"), bs)
+    table = torch.randperm(nb, generator=g).to(torch.int32).view(R, 4).cuda()
+    seq = torch.randint(width, 3 * bs, (R,), generator=g, dtype=torch.int32).cuda()
+    gl = torch.full((R,), width, dtype=torch.int32, device="cuda")
+    out = torch.zeros(R, width, layout.HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        seq.add_(1)
+        table.copy_(table.roll(1, 0))
+        d.dequantize_and_gather_k_cache(out, cache, seq, gl, table, bs, 0)
+
+    def expected():
+        ref = torch.zeros_like(out, device="cpu")
+        with d.cpu_implementation("reference"):
+            d.dequantize_and_gather_k_cache(ref, cache.cpu(), seq.cpu(), gl.cpu(), table.cpu(), bs, 0)
+        return (ref,)
+
+    _replay_and_check(step, expected, (out,), "window gather after new lengths and table")
