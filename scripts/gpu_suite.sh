@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine: `bash scripts/gpu_suite.sh` from the repo root, with $OUT set.
 # Writes: $OUT/env.txt, $OUT/gpu_tests.log, $OUT/gpu_tests_<sharded file>_*.log, $OUT/bench.log,
-# $OUT/memcheck.log, $OUT/selfcheck.txt, $OUT/bench/bench_<family>.{json,png} for every family,
+# $OUT/memcheck.log, $OUT/memcheck_early.log, $OUT/selfcheck.txt, $OUT/bench/bench_<family>.{json,png} for every family,
 # $OUT/bench/probe_launch.txt.
 # Runs the benchmarks even when tests fail; exits with pytest's status.
 set -o pipefail
@@ -82,6 +82,10 @@ PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 300 compute-sanitizer --tool memc
   -k "hostile or several_tokens or paged_logits or prefill_logits or prefill_random or decode_random or explicit_strides or pack_unpack_exact or unpack_lengths_past or q_exact or matches_oracle or unused_pages or layout_variants or diffkv_exact or worked_example or stream_order or (auto_exact_whole_cache and nhd) or strides_differ or head_size_zero or bad_scale_tensors or kv_equals or prefill_sizes or combo" \
   > "$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$? ($(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log"))"
+# The early-read tests capture CUDA graphs, which cannot allocate during capture: the caching allocator stays on.
+timeout -k 10 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  python3 -m pytest -q -p no:cacheprovider tests/test_early.py > "$OUT/memcheck_early.log" 2>&1
+echo "memcheck of the early reads rc=$? ($(grep -m1 'ERROR SUMMARY' "$OUT/memcheck_early.log"))"
 fi
 
 if part selfcheck; then
