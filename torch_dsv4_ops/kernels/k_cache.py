@@ -205,10 +205,10 @@ def _gather_rows(bt_ptr, r, i, n, start, bt_s0, bt_s1, bt_width, num_blocks, BS:
 def _gather_touch(cache_ptr, seq_ptr, gather_ptr, bt_ptr, r, i0, seq_stride, gather_stride, bt_s0, bt_s1, bt_width,
                   num_blocks, block_stride, width, offset, BS: tl.constexpr, DATA_BYTES: tl.constexpr,
                   SCALE_BYTES: tl.constexpr, HAS_GATHER: tl.constexpr, BLOCK_T: tl.constexpr,
-                  THREADS: tl.constexpr):
+                  TOUCHES: tl.constexpr):
     """Before `gdc_wait` (`kernels/early.py`): the lengths and table entries of rows i0 .. i0 + BLOCK_T by
-    `early_load`, then one `touch` per 32-byte sector of their pages (data, then scale bytes), one sector per thread
-    (a vector of THREADS elements). The kernel's own row math; nothing here reaches the output."""
+    `early_load`, then one `touch` per 32-byte sector of their pages (data, then scale bytes): a vector of TOUCHES
+    (`gather_touches`) elements, one sector each. The kernel's own row math; nothing here reaches the output."""
     seq = early_load(seq_ptr + r * seq_stride, r >= 0).to(tl.int64)
     if HAS_GATHER:
         gl = early_load(gather_ptr + r * gather_stride, r >= 0).to(tl.int64)
@@ -217,7 +217,7 @@ def _gather_touch(cache_ptr, seq_ptr, gather_ptr, bt_ptr, r, i0, seq_stride, gat
     gl = tl.maximum(gl, 0)
     n = tl.minimum(gl, width - offset)
     SECTORS: tl.constexpr = triton.cdiv(DATA_BYTES, SECTOR) + 1
-    e = tl.arange(0, THREADS)
+    e = tl.arange(0, TOUCHES)
     k = e % SECTORS
     i = i0 + e // SECTORS
     pos = seq - gl + i
@@ -238,17 +238,16 @@ def dequant_gather_kernel(
     BS: tl.constexpr, NOPE: tl.constexpr, ROPE_BYTES: tl.constexpr, QB: tl.constexpr, NQ: tl.constexpr,
     BLOCK_Q: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, FMT: tl.constexpr,
     SW: tl.constexpr, HAS_GATHER: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-    THREADS: tl.constexpr,
+    TOUCHES: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     step = tl.num_programs(1) * BLOCK_T
-    tt = tl.arange(0, BLOCK_T)
     pdl_open(PDL, EARLY)
     if PDL and EARLY & TOUCH:
         _gather_touch(cache_ptr, seq_ptr, gather_ptr, bt_ptr, r, w * BLOCK_T, seq_stride, gather_stride, bt_s0, bt_s1,
                       bt_width, num_blocks, block_stride, width, offset, BS, DATA_BYTES, SCALE_BYTES, HAS_GATHER,
-                      BLOCK_T, THREADS)
+                      BLOCK_T, TOUCHES)
     pdl_wait(PDL, EARLY)
     seq = tl.load(seq_ptr + r * seq_stride).to(tl.int64)
     if HAS_GATHER:
@@ -258,6 +257,7 @@ def dequant_gather_kernel(
     gl = tl.maximum(gl, 0)
     start = seq - gl
     n = tl.minimum(gl, width - offset)                  # rows past out's width are skipped (§4 b)
+    tt = tl.arange(0, BLOCK_T)
     q = tl.arange(0, BLOCK_Q)
     d = tl.arange(0, QB)
     rb = tl.arange(0, ROPE_BYTES)
@@ -292,8 +292,13 @@ def dequant_gather_kernel(
 def gather_early(width: int, target: platform.Target) -> int:
     """`dequant_gather_kernel`'s EARLY flags (`kernels/early.py`): for outputs of at most NARROW_WIDTH rows (decode
     windows) on PDL targets, its first rows' pages touched before the wait and its dependents launched after it
-    (H100, 16 x 128: 3.40 -> 2.93 us with 8 rows per program, NOTES.md "Work before the wait"); none elsewhere."""
+    (H100, 16 x 128: 3.41 -> 2.86 us with 8 rows per program, NOTES.md "Work before the wait"); none elsewhere."""
     return early.flags(touch=True, late=True) if early.use_early(target) and width <= NARROW_WIDTH else 0
+
+
+def gather_touches(block_t: int) -> int:
+    """TOUCHES of `_gather_touch`: a power of two of 32-byte sectors that holds block_t rows' data and scale sectors."""
+    return triton.next_power_of_2(block_t * (layout.cdiv(layout.TOKEN_DATA_BYTES, int(SECTOR.value)) + 1))
 
 
 def gather_block_t(width: int, target: platform.Target) -> int:
@@ -311,7 +316,7 @@ def gather_constexprs(block_size: int, use_fnuz: bool, has_gather: bool, target:
     warps = min(GATHER_MAX_WARPS, platform.num_warps_for(target, block_t * BLOCK_Q * layout.QUANT_BLOCK))
     return dict(**_layout_constexprs(block_size), FMT=codec["FMT"], SW=codec["SW"], HAS_GATHER=has_gather,
                 BLOCK_T=block_t, PDL=platform.supports_pdl(target), EARLY=gather_early(width, target),
-                THREADS=warps * target.warp_size, num_warps=warps)
+                TOUCHES=gather_touches(block_t), num_warps=warps)
 
 
 def gather_workers(width: int, target: platform.Target) -> int:
