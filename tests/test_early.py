@@ -1,4 +1,4 @@
-"""Reads before `gdc_wait` (`kernels/early.py`) never reach a result (GPU, PDL targets).
+"""Reads before `gdc_wait` (`kernels/early.py`) never reach a result (GPU, PDL targets), and happen only there.
 
 Each op that reads its inputs early runs right after a kernel that rewrote them, inside a captured graph, and must
 see the new values: the early reads are stale whenever the predecessor is still writing, and only their L2 traffic
@@ -15,9 +15,20 @@ from torch_dsv4_ops import layout, platform
 from torch_dsv4_ops.kernels import early, k_cache, sparse_index
 from torch_dsv4_ops.testing import assert_bitwise_equal
 
-pytestmark = pytest.mark.gpu
-
 WINDOW, RATIO, TOPK = layout.SLIDING_WINDOW, 4, layout.INDEX_TOPK
+
+
+def test_early_flags_only_where_pdl():
+    """Reads before the wait (inline PTX) only on NVIDIA targets with PDL; elsewhere every kernel keeps EARLY = 0."""
+    for target in (*platform.MATRIX_TARGETS, platform.INTERPRETER_TARGET):
+        pdl = platform.supports_pdl(target)
+        assert early.use_early(target) == pdl
+        assert bool(k_cache.gather_early(128, target)) == pdl
+        assert k_cache.gather_early(8192, target) == 0            # whole-sequence gathers: bandwidth-bound
+        assert bool(sparse_index.combine_constexprs(WINDOW, RATIO, TOPK, True, 64, 64, target)["EARLY"]) == pdl
+        for rows in (256, 4096):
+            assert bool(sparse_index.flashinfer_early(rows, target)) == pdl
+    assert early.flags(touch=True, late=True) == early.TOUCH.value | early.LATE.value
 
 
 @pytest.fixture
@@ -55,6 +66,7 @@ def _cpu_topk(logits, seq, rows, n_cols):
     return idx
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [64, 256])
 def test_combine_sees_indices_written_just_before(cuda_early, rows):
     """combine touches its first top-k tile and request vectors early (EARLY has TOUCH)."""
@@ -83,6 +95,7 @@ def test_combine_sees_indices_written_just_before(cuda_early, rows):
     _replay_and_check(step, expected, out, "combine after the top-k")
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [256, 4096])
 def test_flashinfer_sees_indices_written_just_before(cuda_early, rows):
     """flashinfer touches its rows' first inputs early at decode sizes and launches late above them."""
@@ -117,6 +130,7 @@ def test_flashinfer_sees_indices_written_just_before(cuda_early, rows):
     _replay_and_check(step, expected, out, "flashinfer after the top-k")
 
 
+@pytest.mark.gpu
 def test_window_gather_sees_lengths_and_table_written_just_before(cuda_early):
     """The window gather reads lengths and table entries early and touches the pages they name (EARLY = TOUCH |
     LATE); torch kernels move the lengths and rotate the table right before it."""
