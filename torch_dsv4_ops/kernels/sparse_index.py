@@ -29,11 +29,6 @@ from .early import TOUCH, pdl_open, pdl_wait, touch
 SEARCH = 256              # combine, flashinfer: most query_start_loc entries one vector holds (one round)
 MIN_SEARCH = 32           # ... and the fewest (a warp's width)
 
-if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
-    gdc_wait = gdc_launch_dependents = None
-else:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 INT32_MAX = tl.constexpr(layout.INDEX_INT32_MAX)   # usable inside kernels
 MAX_BLOCK = 1024          # columns per tile, at most
 MIN_BLOCK = 16
@@ -46,9 +41,8 @@ def block_for(width: int) -> int:
 
 @triton.jit
 def _pdl_start(PDL: tl.constexpr):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_open(PDL, 0)
+    pdl_wait(PDL, 0)
 
 
 @triton.jit
