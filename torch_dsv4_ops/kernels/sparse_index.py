@@ -47,8 +47,8 @@ def _pdl_start(PDL: tl.constexpr):
 
 @triton.jit
 def _touch_row(row_ptr, s1, n, BLOCK: tl.constexpr):
-    """`touch` the 32-byte sectors of the first n (< BLOCK) int32 elements row_ptr[0], row_ptr[s1], ... (each sector
-    once where the row is contiguous)."""
+    """`touch` the 32-byte sectors of the first min(n, BLOCK) int32 elements row_ptr[0], row_ptr[s1], ... (each
+    sector once where the row is contiguous)."""
     e = tl.arange(0, BLOCK // 8) * 8
     touch(row_ptr + e.to(tl.int64) * s1, e < n)
 
