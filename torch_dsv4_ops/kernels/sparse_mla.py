@@ -113,6 +113,15 @@ def _step(q, m_i, l_i, acc, idx_row, i_s2, pos, n_sel, num_rows, src_ptr, page_s
 
 
 @triton.jit
+def _q_dims(q_row, h, q_s2, head_ok, D0: tl.constexpr, WIDTH: tl.constexpr, DOT_F32: tl.constexpr):
+    """Dims [D0, D0 + WIDTH) of heads h of one query row (zeros for heads not in head_ok), in fp32 where DOT_F32."""
+    q = tl.load(q_row + h[:, None] * q_s2 + (D0 + tl.arange(0, WIDTH))[None, :], mask=head_ok[:, None], other=0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
 def _step_halves(q0, q1, m_i, l_i, acc0, acc1, idx_row, i_s2, pos, n_sel, num_rows, src_ptr, page_stride, scale,
                  BS: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                  NOPE: tl.constexpr, QB: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
@@ -194,9 +203,6 @@ def sparse_mla_kernel(
     head_ok = h < Hq
     d = tl.arange(0, D)
     q_row = q_ptr + b * q_s0 + j * q_s1
-    q = tl.load(q_row + h[:, None] * q_s2 + d[None, :], mask=head_ok[:, None], other=0)
-    if DOT_F32:
-        q = q.to(tl.float32)
     scale = sm_scale * 1.4426950408889634
 
     n_main = width
@@ -219,12 +225,8 @@ def sparse_mla_kernel(
     n = tl.arange(0, BLOCK_N)
     idx_row = idx_ptr + b * i_s0 + j * i_s1
     if HALVES:
-        dh = tl.arange(0, D // 2)
-        q0 = tl.load(q_row + h[:, None] * q_s2 + dh[None, :], mask=head_ok[:, None], other=0)
-        q1 = tl.load(q_row + h[:, None] * q_s2 + (D // 2 + dh)[None, :], mask=head_ok[:, None], other=0)
-        if DOT_F32:
-            q0 = q0.to(tl.float32)
-            q1 = q1.to(tl.float32)
+        q0 = _q_dims(q_row, h, q_s2, head_ok, 0, D // 2, DOT_F32)
+        q1 = _q_dims(q_row, h, q_s2, head_ok, D // 2, D // 2, DOT_F32)
         acc0 = tl.zeros((BLOCK_H, D // 2), tl.float32)
         acc1 = tl.zeros((BLOCK_H, D // 2), tl.float32)
         for it in range(t_lo, tl.minimum(t_hi, tiles_main)):
@@ -240,6 +242,7 @@ def sparse_mla_kernel(
                                                     DATA_BYTES, SCALE_BYTES, DOT_F32)
         acc = tl.reshape(tl.permute(tl.join(acc0, acc1), (0, 2, 1)), (BLOCK_H, D))   # [acc0 | acc1]
     else:
+        q = _q_dims(q_row, h, q_s2, head_ok, 0, D, DOT_F32)
         acc = tl.zeros((BLOCK_H, D), tl.float32)
         for it in range(t_lo, tl.minimum(t_hi, tiles_main)):
             m_i, l_i, acc = _step(q, m_i, l_i, acc, idx_row, i_s2, it * BLOCK_N + n, n_main, num_rows, src_ptr,
