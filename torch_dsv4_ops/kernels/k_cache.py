@@ -188,15 +188,34 @@ def insert_runtime_args(n_tokens: int, k_stride: int, slot_stride: int, num_slot
 # dequantize_and_gather_k_cache
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _gather_rows(bt_ptr, r, i, n, start, bt_s0, bt_s1, bt_width, num_blocks, BS: tl.constexpr):
+def _gather_lengths(seq_ptr, gather_ptr, r, seq_stride, gather_stride, width, offset, HAS_GATHER: tl.constexpr,
+                    EARLY: tl.constexpr = False):
+    """(start, n) of request r: its first gathered position seq - gl and its rows min(gl, W - offset) (§4 b), gl
+    clamped at 0. EARLY: read by `early_load`, before `gdc_wait`."""
+    if EARLY:
+        seq = early_load(seq_ptr + r * seq_stride, r >= 0).to(tl.int64)
+        gl = early_load(gather_ptr + r * gather_stride, r >= 0).to(tl.int64) if HAS_GATHER else seq
+    else:
+        seq = tl.load(seq_ptr + r * seq_stride).to(tl.int64)
+        gl = tl.load(gather_ptr + r * gather_stride).to(tl.int64) if HAS_GATHER else seq
+    gl = tl.maximum(gl, 0)
+    return seq - gl, tl.minimum(gl, width - offset)
+
+
+@triton.jit
+def _gather_rows(bt_ptr, r, i, n, start, bt_s0, bt_s1, bt_width, num_blocks, BS: tl.constexpr,
+                 EARLY: tl.constexpr = False):
     """Rows i (< n) of request r: (page block id, offset in the page, source valid) per row; one
-    masked block-table load. Invalid sources (negative position, past the table, entry < 0 or
-    >= num_blocks) read block 0 and are masked."""
+    masked block-table load (`early_load` where EARLY). Invalid sources (negative position, past the table,
+    entry < 0 or >= num_blocks) read block 0 and are masked."""
     pos = start + i
     pos0 = tl.where(pos >= 0, pos, 0)
     colb = pos0 // BS
     ok = (i < n) & (pos >= 0) & (colb < bt_width)
-    blk = tl.load(bt_ptr + r * bt_s0 + colb * bt_s1, mask=ok, other=-1).to(tl.int64)
+    if EARLY:
+        blk = early_load(bt_ptr + r * bt_s0 + colb * bt_s1, ok).to(tl.int64)
+    else:
+        blk = tl.load(bt_ptr + r * bt_s0 + colb * bt_s1, mask=ok, other=-1).to(tl.int64)
     ok = ok & (blk >= 0) & (blk < num_blocks)
     return tl.where(ok, blk, 0), pos0 % BS, ok
 
@@ -207,28 +226,18 @@ def _gather_touch(cache_ptr, seq_ptr, gather_ptr, bt_ptr, r, i0, seq_stride, gat
                   SCALE_BYTES: tl.constexpr, HAS_GATHER: tl.constexpr, BLOCK_T: tl.constexpr,
                   TOUCHES: tl.constexpr):
     """Before `gdc_wait` (`kernels/early.py`): the lengths and table entries of rows i0 .. i0 + BLOCK_T by
-    `early_load`, then one `touch` per 32-byte sector of their pages (data, then scale bytes): a vector of TOUCHES
-    (`gather_touches`) elements, one sector each. The kernel's own row math; nothing here reaches the output."""
-    seq = early_load(seq_ptr + r * seq_stride, r >= 0).to(tl.int64)
-    if HAS_GATHER:
-        gl = early_load(gather_ptr + r * gather_stride, r >= 0).to(tl.int64)
-    else:
-        gl = seq
-    gl = tl.maximum(gl, 0)
-    n = tl.minimum(gl, width - offset)
+    `early_load` (the kernel's own `_gather_lengths` and `_gather_rows`), then one `touch` per 32-byte sector of
+    their pages (data, then scale bytes): a vector of TOUCHES (`gather_touches`) elements, one sector each. Nothing
+    here reaches the output."""
+    start, n = _gather_lengths(seq_ptr, gather_ptr, r, seq_stride, gather_stride, width, offset, HAS_GATHER, True)
     SECTORS: tl.constexpr = triton.cdiv(DATA_BYTES, SECTOR) + 1
     e = tl.arange(0, TOUCHES)
     k = e % SECTORS
-    i = i0 + e // SECTORS
-    pos = seq - gl + i
-    pos0 = tl.where(pos >= 0, pos, 0)
-    colb = pos0 // BS
-    ok = (e < BLOCK_T * SECTORS) & (i < n) & (pos >= 0) & (colb < bt_width)
-    blk = early_load(bt_ptr + r * bt_s0 + colb * bt_s1, ok).to(tl.int64)
-    ok = ok & (blk >= 0) & (blk < num_blocks)
-    at = tl.minimum(k * SECTOR, DATA_BYTES - 1) + (pos0 % BS) * DATA_BYTES
-    at = tl.where(k == SECTORS - 1, BS * DATA_BYTES + (pos0 % BS) * SCALE_BYTES, at)
-    touch(cache_ptr + tl.where(ok, blk, 0) * block_stride + at, ok)
+    i = tl.where(e < BLOCK_T * SECTORS, i0 + e // SECTORS, n)           # lanes past the step's sectors: no row
+    blk, off, ok = _gather_rows(bt_ptr, r, i, n, start, bt_s0, bt_s1, bt_width, num_blocks, BS, True)
+    at = tl.minimum(k * SECTOR, DATA_BYTES - 1) + off * DATA_BYTES
+    at = tl.where(k == SECTORS - 1, BS * DATA_BYTES + off * SCALE_BYTES, at)
+    touch(cache_ptr + blk * block_stride + at, ok)
 
 
 @triton.jit
@@ -249,14 +258,7 @@ def dequant_gather_kernel(
                       bt_width, num_blocks, block_stride, width, offset, BS, DATA_BYTES, SCALE_BYTES, HAS_GATHER,
                       BLOCK_T, TOUCHES)
     pdl_wait(PDL, EARLY)
-    seq = tl.load(seq_ptr + r * seq_stride).to(tl.int64)
-    if HAS_GATHER:
-        gl = tl.load(gather_ptr + r * gather_stride).to(tl.int64)
-    else:
-        gl = seq
-    gl = tl.maximum(gl, 0)
-    start = seq - gl
-    n = tl.minimum(gl, width - offset)                  # rows past out's width are skipped (§4 b)
+    start, n = _gather_lengths(seq_ptr, gather_ptr, r, seq_stride, gather_stride, width, offset, HAS_GATHER)
     tt = tl.arange(0, BLOCK_T)
     q = tl.arange(0, BLOCK_Q)
     d = tl.arange(0, QB)
