@@ -28,11 +28,6 @@ from . import early
 from .early import SECTOR, TOUCH, early_load, pdl_open, pdl_wait, touch
 from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
 
-if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
-    gdc_wait = gdc_launch_dependents = None
-else:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 BLOCK_Q = triton.next_power_of_2(layout.NUM_QUANT_BLOCKS)   # 8 rows of the NoPE tile (7 used)
 # Tile settings measured on an H100 (benchmarks/sweep_tiles.py, benchmarks/NOTES.md):
 # insert: (from this many tokens on, tokens per program), largest first; one token per program below (latency)
@@ -115,9 +110,8 @@ def quantize_insert_kernel(
     # Rows of the NoPE tile are (token, quant block) pairs: row j is block j % BLOCK_Q of token
     # j // BLOCK_Q, so the UE8M0 amax is a row reduction and every row's 64 codes are contiguous.
     first = tl.program_id(0).to(tl.int64) * TOKENS
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_open(PDL, 0)
+    pdl_wait(PDL, 0)
     j = tl.arange(0, TOKENS * BLOCK_Q)
     q = j % BLOCK_Q
     t = first + j // BLOCK_Q                                            # token of row j
