@@ -12,11 +12,12 @@ import argparse
 import torch
 
 from torch_dsv4_ops import platform
-from torch_dsv4_ops.kernels import early, k_cache, sparse_index
+from torch_dsv4_ops.kernels import attention, early, k_cache, sparse_index
+from torch_dsv4_ops.ops import attention as attention_ops
 from torch_dsv4_ops.ops import k_cache as k_cache_ops
 from torch_dsv4_ops.ops import sparse_index as sparse_index_ops
 
-from . import bench_k_cache, bench_sparse_index
+from . import bench_attention, bench_k_cache, bench_sparse_index
 from .harness import time_graph
 
 
@@ -40,6 +41,8 @@ def _patch(module, name: str, value):
     def clear():
         sparse_index_ops._PLANS.clear()
         k_cache_ops._GATHER_PLANS.clear()
+        attention_ops._CHUNKED_PLANS.clear()
+        attention_ops._CONTEXT_PLANS.clear()
 
     setattr(module, name, value)
     clear()
@@ -73,6 +76,11 @@ def main() -> None:
         w = bench_k_cache.build_gather(bench_k_cache.Spec("gather", R=R, L=L, window=True), dev)
         _alternate(f"window gather {R} x {L}", w, {
             "none": lambda: _patch(k_cache, "gather_early", lambda *a: 0),
+            "committed": lambda: (lambda: None)}, args.rounds)
+    for R, ctx in ((1, 32768), (1, 8192), (64, 4096)):      # the fp8-cache decode (`_decode_touch`)
+        w = bench_attention.build(bench_attention.Spec(R, ctx, fp8=True), dev)
+        _alternate(f"fp8 decode {R} x {ctx}", w, {
+            "none": lambda: _patch(attention, "decode_constexprs", _no_early(attention.decode_constexprs)),
             "committed": lambda: (lambda: None)}, args.rounds)
 
 

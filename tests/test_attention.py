@@ -675,6 +675,9 @@ FEATURES = {
     "random-fill": BASE.replace(fill="random", seed=40),
     # sm_scale default (None -> D**-0.5)
     "sm-scale-default": BASE.replace(sm_scale=None, seed=41),
+    # scales <= 0: the scores' order reversed, and every score 0 (a uniform softmax over the visible keys)
+    "sm-scale-negative": BASE.replace(sm_scale=-0.7, seed=61),
+    "sm-scale-zero-fp8": BASE.replace(sm_scale=0.0, **FP8, seed=62),
     # rows >= max_input_len are not computed
     "max-input-len-2": BASE.replace(max_input_len=2, seed=42),
     # max_query_len 1: chunked_prefill_paged_decode runs no prefill step (prefill rows untouched)

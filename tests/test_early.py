@@ -12,7 +12,7 @@ import torch
 
 import torch_dsv4_ops as d
 from torch_dsv4_ops import layout, platform
-from torch_dsv4_ops.kernels import early, k_cache, sparse_index
+from torch_dsv4_ops.kernels import attention, early, k_cache, sparse_index
 from torch_dsv4_ops.testing import assert_bitwise_equal
 
 WINDOW, RATIO, TOPK = layout.SLIDING_WINDOW, 4, layout.INDEX_TOPK
@@ -28,6 +28,9 @@ def test_early_flags_only_where_pdl():
         assert bool(sparse_index.combine_constexprs(WINDOW, RATIO, TOPK, True, 64, 64, target)["EARLY"]) == pdl
         for rows in (256, 4096):
             assert bool(sparse_index.flashinfer_early(rows, target)) == pdl
+        geo = attention.Geometry(32, 8, 128, 16, 16, True)
+        assert bool(attention.decode_tiles(geo, torch.bfloat16, True, target).get("early", 0)) == pdl
+        assert not attention.decode_tiles(geo, torch.bfloat16, False, target).get("early", 0)   # float caches
     assert early.flags(touch=True, late=True) == early.TOUCH.value | early.LATE.value
 
 
@@ -158,3 +161,46 @@ def test_window_gather_sees_lengths_and_table_written_just_before(cuda_early):
         return (ref,)
 
     _replay_and_check(step, expected, (out,), "window gather after new lengths and table")
+
+
+@pytest.mark.gpu
+def test_paged_decode_sees_the_token_written_just_before(cuda_early):
+    """The fp8-cache decode touches its first tiles' pages early (EARLY = TOUCH | LATE) while our programmatic-dependent
+    `reshape_and_cache_flash` (it launches its dependents at its start) writes each request's newest token into them;
+    torch kernels grow the lengths and change the token's K/V right before. The result must use the new token: it
+    equals the same call made again after the replay (no race left), and the float64-accumulated reference."""
+    from torch_dsv4_ops.ops.attention import example_batch
+    from torch_dsv4_ops.testing import assert_close
+
+    assert attention.decode_tiles(attention.Geometry(32, 8, 128, 16, 16, True), torch.bfloat16, True,
+                                  platform.target_for(torch.device("cuda")))["early"] & early.TOUCH.value
+    lens, bs, rounds = [4000, 300, 37, 1000], 16, 3
+    batch = list(example_batch([1] * len(lens), [n + rounds + 2 for n in lens], hq=32, hkv=8, dim=128, bs=bs,
+                               fp8=True, seed=7, device="cuda"))
+    (query, _, _, output, kv, key_cache, value_cache, table, qsl, seq, _, _, k_scale, v_scale) = batch
+    seq.copy_(torch.tensor(lens, dtype=torch.int32))
+    batch[10] = max(lens) + rounds + 2                     # max_seq_len: one plan (and split count) for every replay
+    g = torch.Generator(device="cuda").manual_seed(8)
+    new_k = 4 * torch.randn(len(lens), 8, 128, generator=g, device="cuda").to(torch.bfloat16)
+    new_v = torch.randn(len(lens), 8, 128, generator=g, device="cuda").to(torch.bfloat16)
+    slots = torch.zeros(len(lens), dtype=torch.int64, device="cuda")
+
+    def step():
+        seq.add_(1)
+        pos = seq.long() - 1
+        slots.copy_(table.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs)
+        new_k.neg_()
+        d.reshape_and_cache_flash(new_k, new_v, key_cache, value_cache, slots, kv, k_scale, v_scale)
+        d.chunked_prefill_paged_decode(*batch)
+
+    def expected():
+        again = torch.empty_like(output)
+        d.chunked_prefill_paged_decode(*batch[:3], again, *batch[4:])
+        cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in batch]
+        cpu[3] = torch.empty_like(cpu[3])
+        with d.cpu_implementation("reference"):
+            d.chunked_prefill_paged_decode(*cpu)
+        assert_close(again.cpu(), cpu[3], what="decode after the newest token's write against the reference")
+        return (again.cpu(),)
+
+    _replay_and_check(step, expected, (output,), "fp8 decode after the newest token's write")

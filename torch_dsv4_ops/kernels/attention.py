@@ -26,6 +26,8 @@ import triton.language as tl
 
 from .. import layout, platform
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
+from . import early
+from .early import TOUCH, early_load, pdl_open, pdl_wait, touch
 from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
 
 if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
@@ -88,6 +90,13 @@ def _block_ids(table_ptr, t_row, col, ok, t_s1, W, num_blocks, cache_base, page_
     of a page). The id does not depend on `ok`, so all keys of one column share it."""
     col_ok = col < W
     entry = tl.load(table_ptr + t_row + col * t_s1, mask=col_ok, other=-1).to(tl.int64)
+    return _entry_block(entry, col_ok, ok, num_blocks, cache_base, page_bytes, TABLE_PTR)
+
+
+@triton.jit
+def _entry_block(entry, col_ok, ok, num_blocks, cache_base, page_bytes, TABLE_PTR: tl.constexpr):
+    """(block id, 0 where invalid; valid & ok) of table entries (int64) read where col_ok: an id in [0, num_blocks),
+    or a pointer table's positive page address (`_block_ids`)."""
     if TABLE_PTR:
         rel = entry - cache_base
         rel_ok = col_ok & (entry > 0) & (rel >= 0)
@@ -581,6 +590,81 @@ def prefill_kernel(
 
 # --- decode ----------------------------------------------------------------------------------------------
 @triton.jit
+def _decode_request(qsl_ptr, seq_ptr, r, T, seq_s, EARLY: tl.constexpr = False):
+    """(is_decode, q0, seq) of request r: a query of length 1 at token q0 in [0, T), its sequence length seq
+    (int64). EARLY: read by `early_load`, before `gdc_wait`."""
+    if EARLY:
+        q0 = early_load(qsl_ptr + r, r >= 0).to(tl.int64)
+        qlen = early_load(qsl_ptr + r + 1, r >= 0).to(tl.int64) - q0
+        seq = early_load(seq_ptr + r * seq_s, r >= 0).to(tl.int64)
+    else:
+        q0 = tl.load(qsl_ptr + r).to(tl.int64)
+        qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
+        seq = tl.load(seq_ptr + r * seq_s).to(tl.int64)
+    return (qlen == 1) & (q0 >= 0) & (q0 < T), q0, seq
+
+
+@triton.jit
+def _split_tiles(is_decode, seq, split, splits, W, BS: tl.constexpr, BLOCK_N: tl.constexpr, SW: tl.constexpr):
+    """Split `split` of `splits` of a decode's visible keys [lo, hi): tiles [t_lo, t_hi) of BLOCK_N keys (tile-aligned
+    chunks), and s_hi, the end of its keys (int32)."""
+    hi = tl.minimum(seq, W * BS)
+    lo = 0
+    if SW > 0:
+        lo = tl.maximum(seq - SW, 0)
+    hi = tl.where(is_decode, hi, 0).to(tl.int32)       # positions < W * BS <= INT32_MAX (validated)
+    lo = tl.minimum(lo, hi).to(tl.int32)
+    first = lo // BLOCK_N
+    tiles = tl.maximum(tl.cdiv(hi, BLOCK_N) - first, 0)
+    per_split = tl.cdiv(tiles, splits)
+    t_lo = first + split * per_split
+    t_hi = tl.minimum(t_lo + per_split, first + tiles)
+    return t_lo, t_hi, tl.minimum(t_hi * BLOCK_N, hi)
+
+
+@triton.jit
+def _decode_touch(qsl_ptr, seq_ptr, table_ptr, kc_ptr, vc_ptr, r, kvh, split, splits, T, W, num_blocks, cache_base,
+                  page_bytes, t_row, t_s1, seq_s, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SW: tl.constexpr, TABLE_PTR: tl.constexpr, LOOP: tl.constexpr,
+                  CHUNK_COLS: tl.constexpr, TILES: tl.constexpr):
+    """Before `gdc_wait` (kernels/early.py): the program's request, split and block ids by `early_load` (the
+    kernel's own `_decode_request` and `_split_tiles`; LOOP_TABLE_CHUNKS: the first chunk's table columns, as the
+    loop loads them), then a `touch` of the sectors of K and V (kv head kvh) of its first TILES tiles:
+    K by pieces of X codes, two keys a sector; V by dims, a run of up to 16 keys each. Nothing here reaches the
+    output; every touched address lies in a valid block of the caches (keys below s_hi, which excludes negative
+    positions, as in the kernel's loop)."""
+    is_decode, q0, seq = _decode_request(qsl_ptr, seq_ptr, r, T, seq_s, True)
+    t_lo, t_hi, s_hi = _split_tiles(is_decode, seq, split, splits, W, BS, BLOCK_N, SW)
+    k_lo = t_lo * BLOCK_N
+    if LOOP == 2:   # LOOP_TABLE_CHUNKS: the columns of the loop's first table load
+        cc = tl.arange(0, CHUNK_COLS)
+        early_load(table_ptr + t_row + ((k_lo // BS) + cc) * t_s1, (t_hi > t_lo) & ((k_lo // BS) + cc < W))
+    KEYS: tl.constexpr = TILES * BLOCK_N
+    tl.static_assert(KEYS >= 16)
+    jk = tl.arange(0, KEYS // 2) * 2                     # K: every other key (X = 16 fp8 codes: two keys a sector)
+    g = tl.arange(0, BLOCK_D // X)
+    kp = k_lo + jk
+    col_ok = (kp < s_hi) & (kp // BS < W)
+    entry = early_load(table_ptr + t_row + (kp // BS) * t_s1, col_ok)
+    blk, ok = _entry_block(entry.to(tl.int64), col_ok, col_ok, num_blocks, cache_base, page_bytes, TABLE_PTR)
+    off = kp % BS
+    if K_STD:
+        k_at = blk * kc_s0 + kvh * kc_s1 + off * X
+    else:
+        k_at = blk * kc_s0 + kvh * kc_s1 + off * kc_s3
+    touch(kc_ptr + k_at[:, None] + (g * kc_s2)[None, :], ok[:, None] & (g * X < D)[None, :])
+    jv = tl.arange(0, KEYS // 16) * 16                  # V: the first key of each 16-key run
+    d = tl.arange(0, BLOCK_D)
+    kv = k_lo + jv
+    col_ok = (kv < s_hi) & (kv // BS < W)
+    entry = early_load(table_ptr + t_row + (kv // BS) * t_s1, col_ok)
+    blk, ok = _entry_block(entry.to(tl.int64), col_ok, col_ok, num_blocks, cache_base, page_bytes, TABLE_PTR)
+    v_at = blk * vc_s0 + kvh * vc_s1 + kv % BS
+    touch(vc_ptr + v_at[:, None] + (d * vc_s2)[None, :], ok[:, None] & (d < D)[None, :])
+
+
+@triton.jit
 def decode_kernel(
     q_ptr, o_ptr, kc_ptr, vc_ptr, table_ptr, qsl_ptr, seq_ptr, k_scale_ptr, v_scale_ptr, o_scale_ptr,
     alibi_ptr, sinks_ptr, part_ptr,
@@ -591,27 +675,28 @@ def decode_kernel(
     SW: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, TABLE_PTR: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SW: tl.constexpr, DOT_F32: tl.constexpr, O_KIND: tl.constexpr, O_FP8: tl.constexpr,
     O_SW: tl.constexpr, LOOP: tl.constexpr, CHUNK: tl.constexpr, CHUNK_COLS: tl.constexpr, K_GROUPS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr = 0, TOUCH_TILES: tl.constexpr = 0,
 ):
     """Program (r, kvh, s): split s of the visible keys of decode request r (query length 1), for the
     GROUP query heads of kv head kvh (rows padded to BLOCK_H). LOOP, CHUNK, CHUNK_COLS: the cached-key loop
     (`_cache_loop`). K_GROUPS:
     K loads as [d group, key, x] (`_cache_loads`), else as K^T [BLOCK_D, N]. PDL (sm_90+): launched as a
-    programmatic dependent, it waits for its predecessor's writes before its first load."""
+    programmatic dependent, it waits for its predecessor's writes before its first load; EARLY (kernels/early.py,
+    `decode_early`): with TOUCH, its first tiles' sectors are touched before that wait (`_decode_touch`)."""
     # fp8 caches: fp16 dots (codes convert to fp16 in one instruction per pair; bf16 q is rescaled, below)
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.float16 if KV_FP8 != 0 else q_ptr.dtype.element_ty
     r = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     splits = tl.num_programs(2)     # a runtime count (SPEC §4 h); SPLIT: whether there is more than one
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    q0 = tl.load(qsl_ptr + r).to(tl.int64)
-    qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
-    seq = tl.load(seq_ptr + r * seq_s).to(tl.int64)
-    is_decode = (qlen == 1) & (q0 >= 0) & (q0 < T)
     t_row = r * t_s0
+    pdl_open(PDL, EARLY)
+    if PDL and EARLY & TOUCH:
+        _decode_touch(qsl_ptr, seq_ptr, table_ptr, kc_ptr, vc_ptr, r, kvh, split, splits, T, W, num_blocks,
+                      cache_base, page_bytes, t_row, t_s1, seq_s, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D,
+                      BLOCK_D, BS, X, K_STD, BLOCK_N, SW, TABLE_PTR, LOOP, CHUNK_COLS, TOUCH_TILES)
+    pdl_wait(PDL, EARLY)
+    is_decode, q0, seq = _decode_request(qsl_ptr, seq_ptr, r, T, seq_s)
 
     hl = tl.arange(0, BLOCK_H)
     h = kvh * GROUP + hl
@@ -637,20 +722,7 @@ def decode_kernel(
         m_i, l_i = _init_rows(sinks_ptr, h, row_ok, BLOCK_H, False)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
 
-    # visible keys [lo, hi), split into `splits` tile-aligned chunks
-    hi = tl.minimum(seq, W * BS)
-    lo = 0
-    if SW > 0:
-        lo = tl.maximum(seq - SW, 0)
-    hi = tl.where(is_decode, hi, 0).to(tl.int32)       # positions < W * BS <= INT32_MAX (validated)
-    lo = tl.minimum(lo, hi).to(tl.int32)
-    # split s takes tiles [t_lo, t_hi) of the visible range's tiles
-    first = lo // BLOCK_N
-    tiles = tl.maximum(tl.cdiv(hi, BLOCK_N) - first, 0)
-    per_split = tl.cdiv(tiles, splits)
-    t_lo = first + split * per_split
-    t_hi = tl.minimum(t_lo + per_split, first + tiles)
-    s_hi = tl.minimum(t_hi * BLOCK_N, hi)
+    t_lo, t_hi, s_hi = _split_tiles(is_decode, seq, split, splits, W, BS, BLOCK_N, SW)
     m_i, l_i, acc = _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, 1.0, table_ptr, t_row,
                                 t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr, vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2,
                                 kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, BLOCK_N, TABLE_PTR, KV_FP8, KV_SW,
@@ -840,7 +912,8 @@ def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target)
     if kv_fp8:
         return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=1, num_stages=3, per_sm=FP8_PROGRAMS_PER_SM,
                     at_most=True, loop=LOOP_TABLE_CHUNKS, chunk=table_chunk(geo.bs, 16, target),
-                    combine_parts=MAX_COMBINE_PARTS)
+                    combine_parts=MAX_COMBINE_PARTS,
+                    early=early.flags(touch=True, late=True) if early.use_early(target) else 0)
     if prefetch:
         return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=2, num_stages=1, per_sm=PROGRAMS_PER_SM,
                     loop=LOOP_REGISTERS, k_groups=False)
@@ -850,6 +923,7 @@ def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target)
 LOOP_PIPELINE, LOOP_REGISTERS, LOOP_TABLE_CHUNKS = 0, 1, 2   # the cached-key loops of `_cache_loop` (on a GPU, the
                                                              # last on one warp per program: decode_tiles)
 MAX_TILE_BLOCKS = tl.constexpr(8)   # LOOP_PIPELINE: whole tiles of at most this many blocks load an entry per block
+DECODE_TOUCH_TILES = 4        # decode EARLY & TOUCH: tiles touched before the wait (TOUCH_TILES, `_decode_touch`)
 TABLE_CHUNK_TILES = 64         # LOOP_TABLE_CHUNKS: tiles per chunk on a GPU, at most (the interpreter: 2)
 TABLE_CHUNK_COLS = 128         # ... and table columns per chunk, at most (a vector of block ids in registers)
 PREFETCH_MAX_ROWS = 16         # decode: the register-prefetch loop for groups of at most this many query heads
@@ -923,7 +997,9 @@ def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles:
                 ALIBI=feats.alibi, SINKS=feats.sinks, TABLE_PTR=feats.table_ptr, **numeric_constexprs(numerics),
                 LOOP=tiles.get("loop", LOOP_PIPELINE), CHUNK=chunk, CHUNK_COLS=chunk_cols,
                 K_GROUPS=tiles.get("k_groups", True),
-                PDL=tiles.get("pdl", False), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+                PDL=tiles.get("pdl", False), EARLY=tiles.get("early", 0),
+                TOUCH_TILES=tiles.get("touch_tiles", DECODE_TOUCH_TILES), num_warps=tiles["num_warps"],
+                num_stages=tiles["num_stages"])
 
 
 def combine_block(splits: int) -> int:
@@ -1060,6 +1136,9 @@ def _matrix_geometries():
          Features(sliding_window=128, alibi=True, sinks=True), 4),
         ("decode.f32.d256.g1.bs544.ptr", f32, "auto", f32, g(8, 8, 256, 544, 4, True), Features(table_ptr=True), 1),
         ("decode.bf16.d128.g64.bs16", bf16, "auto", bf16, g(64, 1, 128, 16, 8, True), Features(), 1),
+        # fp8 with a head size below a power of two: the early touches (`_decode_touch`) mask their dims
+        ("decode.bf16.e4m3.d24.g2.bs16.sw.alibi.ptr.split", bf16, "e4m3", bf16, g(4, 2, 24, 16, 16, True),
+         Features(sliding_window=1, alibi=True, table_ptr=True), 3),
     ]
     combine = [
         ("combine.bf16.d128.s33.sinks", bf16, bf16, g(32, 8, 128, 16, 8, True), Features(sinks=True), 33, 1),

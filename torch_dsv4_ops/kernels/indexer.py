@@ -9,7 +9,8 @@
   [0, Nk).
 
 Cache addressing is int64 (`block * block_stride`); token counts, strides and table widths are runtime
-arguments; the block size and the fp8 flavour are constexprs (SPEC §4 h).
+arguments; the block size and the fp8 flavour are constexprs (SPEC §4 h). PDL (sm_90+): both kernels launch as
+programmatic dependents and wait for their predecessor's writes before their first load.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import triton.language as tl
 from .. import layout, platform
 from ..reference.k_cache import fp8_format
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
+from .early import pdl_open, pdl_wait
 from .k_cache import ue8m0_codec, ue8m0_codes, ue8m0_exponents
 
 INSERT_TOKENS = 8            # rows per insert program (16 KB of bf16 in, 4 KB of codes out)
@@ -33,8 +35,10 @@ def indexer_insert_kernel(
     k_ptr, cache_ptr, slot_ptr, n_tokens, k_stride, slot_stride, num_slots, block_stride,
     BS: tl.constexpr, D: tl.constexpr, SCALE_BYTES: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr,
     FP8_MAX: tl.constexpr, E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr, FLOOR_BITS: tl.constexpr,
-    BIAS: tl.constexpr, NAN_CODE: tl.constexpr, SAT: tl.constexpr, TOKENS: tl.constexpr,
+    BIAS: tl.constexpr, NAN_CODE: tl.constexpr, SAT: tl.constexpr, TOKENS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_open(PDL, 0)
+    pdl_wait(PDL, 0)
     t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     live = t < n_tokens
     t = tl.where(live, t, 0)
@@ -56,8 +60,10 @@ def indexer_insert_kernel(
 def indexer_gather_kernel(
     cache_ptr, dk_ptr, ds_ptr, bt_ptr, cu_ptr, rows, dk_s0, ds_row, ds_byte, bt_s0, bt_s1, bt_width, bt_rows,
     num_blocks, block_stride, cu_s,
-    BS: tl.constexpr, D: tl.constexpr, SCALE_BYTES: tl.constexpr, ROWS: tl.constexpr,
+    BS: tl.constexpr, D: tl.constexpr, SCALE_BYTES: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_open(PDL, 0)
+    pdl_wait(PDL, 0)
     b = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     step = tl.num_programs(1) * ROWS
@@ -95,7 +101,7 @@ GATHER_LAUNCHER = FastLauncher(indexer_gather_kernel)
 # --- host-side planning ---------------------------------------------------------------------------------
 def insert_constexprs(block_size: int, use_fnuz: bool, target: platform.Target) -> dict:
     return dict(BS=block_size, D=layout.INDEXER_DIM, SCALE_BYTES=layout.INDEXER_SCALE_BYTES,
-                **ue8m0_codec(fp8_format(use_fnuz), target), TOKENS=INSERT_TOKENS,
+                **ue8m0_codec(fp8_format(use_fnuz), target), TOKENS=INSERT_TOKENS, PDL=platform.supports_pdl(target),
                 num_warps=min(INSERT_MAX_WARPS, platform.num_warps_for(target, INSERT_TOKENS * layout.INDEXER_DIM)))
 
 
@@ -106,6 +112,7 @@ def insert_runtime_args(n_tokens: int, k_stride: int, slot_stride: int, num_slot
 
 def gather_constexprs(block_size: int, target: platform.Target) -> dict:
     return dict(BS=block_size, D=layout.INDEXER_DIM, SCALE_BYTES=layout.INDEXER_SCALE_BYTES, ROWS=GATHER_ROWS,
+                PDL=platform.supports_pdl(target),
                 num_warps=platform.num_warps_for(target, GATHER_ROWS * layout.INDEXER_DIM, per_thread=16))
 
 
