@@ -1,8 +1,10 @@
 """Triton kernels and launchers for the indexer K cache (SPEC §2.2, §3.9).
 
-* `indexer_insert_kernel`: grid (cdiv(N, TOKENS),). A program quantises TOKENS rows [TOKENS, 128] with one
-  exact UE8M0 exponent per row (the bit rule of kernels/k_cache.py), stores 128 fp8 codes and the fp32
-  scale 2**e of each row whose slot is inside the cache; every load comes before the first store.
+* `indexer_insert_kernel`: grid `insert_grid` (one program per group of TOKENS rows, or, for long inserts, fewer
+  programs that walk their groups: LOOP). A group of TOKENS rows [TOKENS, 128] is quantised with one exact UE8M0
+  exponent per row (the bit rule of kernels/k_cache.py), storing 128 fp8 codes and the fp32 scale 2**e of each
+  row whose slot is inside the cache; every load of a group comes before its first store (LOOP: the next group's
+  loads too).
 * `indexer_gather_kernel`: grid (B, workers), workers = min(cdiv(Nk, ROWS), MAX_WORKERS) from shapes only.
   Program (b, w) copies entries c = w*ROWS, w*ROWS + workers*ROWS, ... < cu[b+1] - cu[b] of request b into
   rows cu[b] + c of dst_k / dst_scale, bit for bit (zeros for an invalid block), skipping rows outside
@@ -26,25 +28,30 @@ from .k_cache import ue8m0_codec, ue8m0_codes, ue8m0_exponents
 
 INSERT_TOKENS = 8            # rows per insert program (16 KB of bf16 in, 4 KB of codes out)
 INSERT_MAX_WARPS = 4         # ... on at most this many warps
+INSERT_PROGRAMS_PER_SM = 16  # a longer insert runs this many programs per SM, each walking its groups (`insert_grid`)
 GATHER_ROWS = 16             # rows per gather step
 MAX_WORKERS = 256            # gather programs per request, at most
 
 
 @triton.jit
-def indexer_insert_kernel(
-    k_ptr, cache_ptr, slot_ptr, n_tokens, k_stride, slot_stride, num_slots, block_stride,
-    BS: tl.constexpr, D: tl.constexpr, SCALE_BYTES: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr,
-    FP8_MAX: tl.constexpr, E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr, FLOOR_BITS: tl.constexpr,
-    BIAS: tl.constexpr, NAN_CODE: tl.constexpr, SAT: tl.constexpr, TOKENS: tl.constexpr, PDL: tl.constexpr,
-):
-    pdl_open(PDL, 0)
-    pdl_wait(PDL, 0)
-    t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+def _insert_loads(k_ptr, slot_ptr, t0, n_tokens, k_stride, slot_stride, D: tl.constexpr, TOKENS: tl.constexpr):
+    """Slots [TOKENS] (int64, -1 past n_tokens) and rows [TOKENS, D] (fp32) of tokens t0 .. t0 + TOKENS."""
+    t = t0 + tl.arange(0, TOKENS)
     live = t < n_tokens
     t = tl.where(live, t, 0)
     d = tl.arange(0, D)
     slot = tl.load(slot_ptr + t * slot_stride, mask=live, other=-1).to(tl.int64)
     x = tl.load(k_ptr + t[:, None] * k_stride + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    return slot, x
+
+
+@triton.jit
+def _insert_rows(cache_ptr, slot, x, num_slots, block_stride, BS: tl.constexpr, D: tl.constexpr,
+                 SCALE_BYTES: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr, FP8_MAX: tl.constexpr,
+                 E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr, FLOOR_BITS: tl.constexpr, BIAS: tl.constexpr,
+                 NAN_CODE: tl.constexpr, SAT: tl.constexpr):
+    """Quantise rows x and store their codes and scales at `slot` (those inside the cache)."""
+    d = tl.arange(0, D)
     e = ue8m0_exponents(x, E_SHIFT, MANT_LIMIT, FLOOR_BITS)
     codes = ue8m0_codes(x, e, FMT, SW, FP8_MAX, BIAS, NAN_CODE, SAT)
     scale_bits = (e + BIAS) << 23                                        # 2**e, a normal fp32
@@ -54,6 +61,32 @@ def indexer_insert_kernel(
     off = slot % BS
     tl.store(page[:, None] + (off * D)[:, None] + d[None, :], codes, mask=valid[:, None])
     tl.store((page + BS * D + off * SCALE_BYTES).to(tl.pointer_type(tl.int32)), scale_bits, mask=valid)
+
+
+@triton.jit
+def indexer_insert_kernel(
+    k_ptr, cache_ptr, slot_ptr, n_tokens, k_stride, slot_stride, num_slots, block_stride,
+    BS: tl.constexpr, D: tl.constexpr, SCALE_BYTES: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr,
+    FP8_MAX: tl.constexpr, E_SHIFT: tl.constexpr, MANT_LIMIT: tl.constexpr, FLOOR_BITS: tl.constexpr,
+    BIAS: tl.constexpr, NAN_CODE: tl.constexpr, SAT: tl.constexpr, TOKENS: tl.constexpr, PDL: tl.constexpr,
+    LOOP: tl.constexpr = False,
+):
+    pdl_open(PDL, 0)
+    pdl_wait(PDL, 0)
+    t0 = tl.program_id(0).to(tl.int64) * TOKENS
+    slot, x = _insert_loads(k_ptr, slot_ptr, t0, n_tokens, k_stride, slot_stride, D, TOKENS)
+    if LOOP:
+        # a grid smaller than the groups: each program walks its groups, the next one's loads issued before this
+        # one's stores
+        step = tl.num_programs(0).to(tl.int64) * TOKENS
+        for g in range(t0, n_tokens, step):
+            slot1, x1 = _insert_loads(k_ptr, slot_ptr, g + step, n_tokens, k_stride, slot_stride, D, TOKENS)
+            _insert_rows(cache_ptr, slot, x, num_slots, block_stride, BS, D, SCALE_BYTES, FMT, SW, FP8_MAX, E_SHIFT,
+                         MANT_LIMIT, FLOOR_BITS, BIAS, NAN_CODE, SAT)
+            slot, x = slot1, x1
+    else:
+        _insert_rows(cache_ptr, slot, x, num_slots, block_stride, BS, D, SCALE_BYTES, FMT, SW, FP8_MAX, E_SHIFT,
+                     MANT_LIMIT, FLOOR_BITS, BIAS, NAN_CODE, SAT)
 
 
 @triton.jit
@@ -99,9 +132,19 @@ GATHER_LAUNCHER = FastLauncher(indexer_gather_kernel)
 
 
 # --- host-side planning ---------------------------------------------------------------------------------
-def insert_constexprs(block_size: int, use_fnuz: bool, target: platform.Target) -> dict:
+def insert_grid(tokens: int, multiprocessor_count: int, target: platform.Target) -> tuple[int, bool]:
+    """(programs, LOOP) of an insert of `tokens` rows: a program per INSERT_TOKENS rows, or, past
+    INSERT_PROGRAMS_PER_SM per multiprocessor (1 under the interpreter, whose tests then walk the loop), that many
+    programs walking their groups in turn (LOOP). Shapes only."""
+    groups = layout.cdiv(tokens, INSERT_TOKENS)
+    cap = (1 if target.backend == "interpreter" else INSERT_PROGRAMS_PER_SM) * multiprocessor_count
+    return min(groups, cap), groups > cap
+
+
+def insert_constexprs(block_size: int, use_fnuz: bool, target: platform.Target, loop: bool = False) -> dict:
     return dict(BS=block_size, D=layout.INDEXER_DIM, SCALE_BYTES=layout.INDEXER_SCALE_BYTES,
                 **ue8m0_codec(fp8_format(use_fnuz), target), TOKENS=INSERT_TOKENS, PDL=platform.supports_pdl(target),
+                LOOP=loop,
                 num_warps=min(INSERT_MAX_WARPS, platform.num_warps_for(target, INSERT_TOKENS * layout.INDEXER_DIM)))
 
 
@@ -129,15 +172,16 @@ def gather_runtime_args(rows: int, dk_s0: int, ds_row: int, ds_byte: int, bt_str
 
 
 # --- compile matrix ---------------------------------------------------------------------------------------
-def matrix_launch_insert(target: platform.Target, block_size: int, use_fnuz: bool, slot_dtype=torch.int64):
+def matrix_launch_insert(target: platform.Target, block_size: int, use_fnuz: bool, slot_dtype=torch.int64,
+                         loop: bool = False):
     """What ops/indexer.py passes to indexer_insert_kernel for one call (contiguous k, an engine-padded cache)."""
     from .matrix import Ptr
 
-    meta = launch_options(insert_constexprs(block_size, use_fnuz, target))
+    meta = launch_options(insert_constexprs(block_size, use_fnuz, target, loop))
     stride = layout.round_up(layout.indexer_block_bytes(block_size), layout.PAGE_ALIGN)
     ints = insert_runtime_args(37, layout.INDEXER_DIM, 1, 16 * block_size, stride)
     name = f"indexer_insert.bs{block_size}.{'fnuz' if use_fnuz else 'ocp'}" \
-        + ("" if slot_dtype == torch.int64 else ".slot32")
+        + ("" if slot_dtype == torch.int64 else ".slot32") + (".loop" if loop else "")
     return name, (Ptr(torch.bfloat16), Ptr(torch.uint8), Ptr(slot_dtype)), ints, meta
 
 
@@ -155,7 +199,7 @@ def matrix_launch_gather(target: platform.Target, block_size: int, table_dtype=t
 
 def matrix_cases(target: platform.Target) -> list:
     """Every specialisation the indexer cache ops launch on `target`: block sizes 64 and 16, OCP and FNUZ, int64
-    and int32 slots; gather with int32 and int64 tables."""
+    and int32 slots, inserts of one group per program and looping ones; gather with int32 and int64 tables."""
     from .matrix import dedupe, kernel_case
 
     def case(fn, launch):
@@ -167,6 +211,7 @@ def matrix_cases(target: platform.Target) -> list:
         for fnuz in (False, True):
             cases.append(case(indexer_insert_kernel, matrix_launch_insert(target, bs, fnuz)))
         cases.append(case(indexer_insert_kernel, matrix_launch_insert(target, bs, False, torch.int32)))
+        cases.append(case(indexer_insert_kernel, matrix_launch_insert(target, bs, False, loop=True)))
         for table in (torch.int32, torch.int64):
             cases.append(case(indexer_gather_kernel, matrix_launch_gather(target, bs, table)))
     return dedupe(cases)

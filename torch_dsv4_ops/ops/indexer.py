@@ -10,6 +10,7 @@ import torch
 
 from .. import layout, platform
 from ..kernels import indexer as kernels
+from ..kernels.attention import device_multiprocessors
 from ..library import register_op
 from ..reference import indexer as reference
 from ._checks import check_bool, check_tensor
@@ -110,10 +111,11 @@ def _insert_plan(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, use_fnu
     if tokens == 0:
         return None
     target = platform.target_for(kv_cache.device)
-    meta = kernels.launch_options(kernels.insert_constexprs(bs, use_fnuz, target))
+    programs, loop = kernels.insert_grid(tokens, device_multiprocessors(kv_cache.device), target)
+    meta = kernels.launch_options(kernels.insert_constexprs(bs, use_fnuz, target, loop))
     ints = kernels.insert_runtime_args(tokens, k.stride(0), slot_mapping.stride(0), nb * bs, stride)
-    return kernels.INSERT_LAUNCHER.bind((layout.cdiv(tokens, kernels.INSERT_TOKENS),),
-                                        (torch.bfloat16, torch.uint8, slot_mapping.dtype), ints, meta, kv_cache.device)
+    return kernels.INSERT_LAUNCHER.bind((programs,), (torch.bfloat16, torch.uint8, slot_mapping.dtype), ints, meta,
+                                        kv_cache.device)
 
 
 def _insert_kernel(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, use_fnuz=False):
