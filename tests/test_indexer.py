@@ -313,6 +313,36 @@ def test_insert_exact(device, impl, geometry, use_fnuz):
     assert nonzero_share(got[lead:lead + nb * stride]) > 0.3
 
 
+def test_insert_walks_its_groups(device):
+    """An insert longer than its grid (`insert_grid`: INSERT_PROGRAMS_PER_SM programs per SM, one under the
+    interpreter) walks its 8-row groups: the whole cache equals the reference's, with a ragged last group, hostile
+    and repeated-page slots, and each program walking two or three groups."""
+    from torch_dsv4_ops import platform
+    from torch_dsv4_ops.kernels.attention import device_multiprocessors
+
+    target = platform.target_for(device)
+    programs, _ = kernels.insert_grid(1 << 40, device_multiprocessors(device), target)
+    n = 5 * programs * kernels.INSERT_TOKENS // 2 + 5
+    assert kernels.insert_grid(n, device_multiprocessors(device), target) == (programs, True)
+    bs, nb = 64, layout.cdiv(n, 64) + 3
+    stride = page_stride(bs, "padded")
+    g = torch.Generator().manual_seed(n)
+    k = (torch.randn(n, DIM, generator=g) * torch.exp2(torch.randint(-8, 8, (n, 1), generator=g).float()))
+    slots = torch.randperm(nb * bs, generator=g)[:n]
+    slots[::97] = -1
+    slots[5::131] = nb * bs
+    base = random_bytes_(torch.empty(nb * stride, dtype=torch.uint8), g)
+    expected = base.clone()
+    with implementation("reference", torch.device("cpu")):
+        d.indexer_k_quant_and_cache(k.to(torch.bfloat16), cache_view(expected, 0, nb, bs, stride), slots, 128,
+                                    "ue8m0")
+    got = base.to(device)
+    with implementation("kernel", device):
+        d.indexer_k_quant_and_cache(k.to(torch.bfloat16).to(device), cache_view(got, 0, nb, bs, stride),
+                                    slots.to(device), 128, "ue8m0")
+    assert_bitwise_equal(got.cpu(), expected, f"insert of {n} rows on {programs} programs vs the reference")
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_insert_hostile_and_empty(device, impl):
     """Only hostile slots (every negative value, INT64_MIN/INT32_MIN, past the cache): nothing written; N = 0
