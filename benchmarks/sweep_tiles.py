@@ -67,7 +67,7 @@ def _cache_plan():
 
 
 def _indexer_plan():
-    """Rows per program and warps of the indexer K insert, random slots and whole pages."""
+    """Rows per group and warps of the indexer K insert, random slots and whole pages."""
     insert = [bi._case(bi.Spec("insert", T=bi.HEADLINE_T, pages=q)) for q in (False, True)]
     return ki, (oi._INSERT_PLANS,), [({"INSERT_TOKENS": t, "INSERT_MAX_WARPS": w}, insert)
                                      for t, w in ((8, 4), (8, 2), (16, 2), (16, 4), (32, 4), (64, 4), (64, 8), (4, 1))]

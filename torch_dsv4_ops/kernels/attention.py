@@ -682,7 +682,8 @@ def decode_kernel(
     (`_cache_loop`). K_GROUPS:
     K loads as [d group, key, x] (`_cache_loads`), else as K^T [BLOCK_D, N]. PDL (sm_90+): launched as a
     programmatic dependent, it waits for its predecessor's writes before its first load; EARLY (kernels/early.py,
-    `decode_early`): with TOUCH, its first tiles' sectors are touched before that wait (`_decode_touch`)."""
+    `decode_tiles`' `early`): with TOUCH, its first TOUCH_TILES tiles' sectors are touched before that wait
+    (`_decode_touch`)."""
     # fp8 caches: fp16 dots (codes convert to fp16 in one instruction per pair; bf16 q is rescaled, below)
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.float16 if KV_FP8 != 0 else q_ptr.dtype.element_ty
     r = tl.program_id(0).to(tl.int64)
@@ -889,7 +890,9 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
     table-chunk loop (table_chunk). `pdl`: launched as a programmatic dependent (sm_90+). `combine_parts`: the
     combine's programs per (request, head), at most (combine_parts; 1 when absent). fp8 caches take 4 (NOTES.md,
     2026-11-27: 1 x 32768 33.9 -> 33.3 us; the same parts cost bf16 1 x 32768 1 us, and 2 parts lost on both);
-    the interpreter takes them too, so that the CPU suite runs them."""
+    the interpreter takes them too, so that the CPU suite runs them. `early`: the EARLY flags (kernels/early.py);
+    fp8 caches on PDL targets touch their first DECODE_TOUCH_TILES tiles before the wait and launch the combine
+    after it (NOTES.md, 2026-11-27: 1 x 32768 33.4 -> 31.2 us, 1 x 8192 21.4 -> 15.3 us; float caches lost)."""
     tiles = _decode_tiles(geo, q_dtype, kv_fp8, target)
     if tiles.get("loop") == LOOP_TABLE_CHUNKS and target.backend != "interpreter" and tiles["num_warps"] != 1:
         # one warp keeps the block ids' tl.gather in warp shuffles; across warps it goes through shared memory,
