@@ -958,10 +958,11 @@ def test_unused_pages_nan(device, impl, name):
 # ================================================================================================
 def hostile_spec(table: str) -> Spec:
     """query_start_loc negative at the start, decreasing and flat at the end, the last request past T;
-    seq_len < qlen (prefill and decode), seq_len 0 and negative; hostile table entries within seq_len, and a
-    table narrower than the longest context (max_seq_len None)."""
+    seq_len < qlen (prefill and decode), seq_len 0 and negative (a decode at -100 and a prefill at -1000: ranges
+    below a whole tile, whose tiles would start at negative table columns); hostile table entries within seq_len,
+    and a table narrower than the longest context (max_seq_len None)."""
     qsl = (-3, 1, 3, 4, 5, 12, 2, 2)            # r0 -3..0, r1 1..2, r2 3, r3 4, r4 5..11 (T = 10), r5 -10, r6 0
-    seq = (10, 5, 0, -3, 4, 7, 3)
+    seq = (10, 5, 0, -100, -1000, 7, 3)
     bs = 4
     if table == "ptr":
         bad = ((0, 0, "zero"), (0, 1, "neg"), (1, 0, "below"), (4, 0, "past"), (5, 1, "min"),

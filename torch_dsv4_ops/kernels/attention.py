@@ -543,7 +543,9 @@ def prefill_kernel(
     lo = 0
     if SW > 0:
         lo = tl.maximum(ctx + m_first - SW + 1, 0)
-    hi = tl.where(any_row, hi, 0)
+    # a negative range (hostile lengths: seq < qlen) is empty; negative positions would index the table before
+    # its row (tile starts round toward zero), and an int64 one below INT32_MIN would wrap in the cast below
+    hi = tl.maximum(tl.where(any_row, hi, 0), 0)
     n = tl.arange(0, BLOCK_N)
     # tile indices, not key offsets, drive the loop: start = it * BLOCK_N is then known to the
     # compiler as a multiple of BLOCK_N, so a block's run of keys is contiguous (vector loads)
@@ -612,7 +614,8 @@ def _split_tiles(is_decode, seq, split, splits, W, BS: tl.constexpr, BLOCK_N: tl
     lo = 0
     if SW > 0:
         lo = tl.maximum(seq - SW, 0)
-    hi = tl.where(is_decode, hi, 0).to(tl.int32)       # positions < W * BS <= INT32_MAX (validated)
+    # positions < W * BS <= INT32_MAX (validated); a negative length is an empty range (`prefill_kernel`)
+    hi = tl.maximum(tl.where(is_decode, hi, 0), 0).to(tl.int32)
     lo = tl.minimum(lo, hi).to(tl.int32)
     first = lo // BLOCK_N
     tiles = tl.maximum(tl.cdiv(hi, BLOCK_N) - first, 0)
