@@ -30,11 +30,6 @@ from . import early
 from .early import TOUCH, early_load, pdl_open, pdl_wait, touch
 from .fp8 import bf16_bits_rne, fp8_decode, fp8_encode
 
-if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
-    gdc_wait = gdc_launch_dependents = None
-else:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 # How the output is stored (constexpr O_KIND)
 O_NATIVE, O_BF16_BITS, O_FP8 = 0, 1, 2
 
@@ -626,6 +621,15 @@ def _split_tiles(is_decode, seq, split, splits, W, BS: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _early_blocks(table_ptr, t_row, kp, s_hi, t_s1, W, num_blocks, cache_base, page_bytes, BS: tl.constexpr,
+                  TABLE_PTR: tl.constexpr):
+    """`_block_ids` of keys kp (valid below s_hi) read by `early_load`, before `gdc_wait`: (block id, valid)."""
+    col_ok = (kp < s_hi) & (kp // BS < W)
+    entry = early_load(table_ptr + t_row + (kp // BS) * t_s1, col_ok)
+    return _entry_block(entry.to(tl.int64), col_ok, col_ok, num_blocks, cache_base, page_bytes, TABLE_PTR)
+
+
+@triton.jit
 def _decode_touch(qsl_ptr, seq_ptr, table_ptr, kc_ptr, vc_ptr, r, kvh, split, splits, T, W, num_blocks, cache_base,
                   page_bytes, t_row, t_s1, seq_s, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D: tl.constexpr,
                   BLOCK_D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr,
@@ -645,24 +649,18 @@ def _decode_touch(qsl_ptr, seq_ptr, table_ptr, kc_ptr, vc_ptr, r, kvh, split, sp
         early_load(table_ptr + t_row + ((k_lo // BS) + cc) * t_s1, (t_hi > t_lo) & ((k_lo // BS) + cc < W))
     KEYS: tl.constexpr = TILES * BLOCK_N
     tl.static_assert(KEYS >= 16)
-    jk = tl.arange(0, KEYS // 2) * 2                     # K: every other key (X = 16 fp8 codes: two keys a sector)
+    kp = k_lo + tl.arange(0, KEYS // 2) * 2              # K: every other key (X = 16 fp8 codes: two keys a sector)
     g = tl.arange(0, BLOCK_D // X)
-    kp = k_lo + jk
-    col_ok = (kp < s_hi) & (kp // BS < W)
-    entry = early_load(table_ptr + t_row + (kp // BS) * t_s1, col_ok)
-    blk, ok = _entry_block(entry.to(tl.int64), col_ok, col_ok, num_blocks, cache_base, page_bytes, TABLE_PTR)
+    blk, ok = _early_blocks(table_ptr, t_row, kp, s_hi, t_s1, W, num_blocks, cache_base, page_bytes, BS, TABLE_PTR)
     off = kp % BS
     if K_STD:
         k_at = blk * kc_s0 + kvh * kc_s1 + off * X
     else:
         k_at = blk * kc_s0 + kvh * kc_s1 + off * kc_s3
     touch(kc_ptr + k_at[:, None] + (g * kc_s2)[None, :], ok[:, None] & (g * X < D)[None, :])
-    jv = tl.arange(0, KEYS // 16) * 16                  # V: the first key of each 16-key run
+    kv = k_lo + tl.arange(0, KEYS // 16) * 16            # V: the first key of each 16-key run
     d = tl.arange(0, BLOCK_D)
-    kv = k_lo + jv
-    col_ok = (kv < s_hi) & (kv // BS < W)
-    entry = early_load(table_ptr + t_row + (kv // BS) * t_s1, col_ok)
-    blk, ok = _entry_block(entry.to(tl.int64), col_ok, col_ok, num_blocks, cache_base, page_bytes, TABLE_PTR)
+    blk, ok = _early_blocks(table_ptr, t_row, kv, s_hi, t_s1, W, num_blocks, cache_base, page_bytes, BS, TABLE_PTR)
     v_at = blk * vc_s0 + kvh * vc_s1 + kv % BS
     touch(vc_ptr + v_at[:, None] + (d * vc_s2)[None, :], ok[:, None] & (d < D)[None, :])
 
@@ -759,9 +757,8 @@ def combine_kernel(
     h = tl.program_id(1)
     BLOCK_DD: tl.constexpr = BLOCK_D // DPARTS
     d = tl.program_id(2) * BLOCK_DD + tl.arange(0, BLOCK_DD)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_open(PDL, 0)
+    pdl_wait(PDL, 0)
     q0 = tl.load(qsl_ptr + r).to(tl.int64)
     qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - q0
     sp = tl.arange(0, BLOCK_S)
@@ -1004,7 +1001,7 @@ def decode_constexprs(geo: Geometry, feats: Features, numerics: Numerics, tiles:
                 LOOP=tiles.get("loop", LOOP_PIPELINE), CHUNK=chunk, CHUNK_COLS=chunk_cols,
                 K_GROUPS=tiles.get("k_groups", True),
                 PDL=tiles.get("pdl", False), EARLY=tiles.get("early", 0),
-                TOUCH_TILES=tiles.get("touch_tiles", DECODE_TOUCH_TILES), num_warps=tiles["num_warps"],
+                TOUCH_TILES=DECODE_TOUCH_TILES, num_warps=tiles["num_warps"],
                 num_stages=tiles["num_stages"])
 
 
