@@ -89,15 +89,22 @@ def _fp8_rows(cache_ptr, slot, ok, page_stride, BS: tl.constexpr, FMT: tl.conste
 
 
 @triton.jit
+def _selected_slots(idx_row, i_s2, pos, n_sel, num_rows):
+    """Slots (int64) at positions `pos` of one index list, and which are rows to load: among its n_sel selected
+    positions and in [0, num_rows)."""
+    in_len = pos < n_sel
+    slot = tl.load(idx_row + pos * i_s2, mask=in_len, other=-1).to(tl.int64)
+    return slot, in_len & (slot >= 0) & (slot < num_rows)
+
+
+@triton.jit
 def _step(q, m_i, l_i, acc, idx_row, i_s2, pos, n_sel, num_rows, src_ptr, page_stride, d, scale,
           SOURCE: tl.constexpr, BS: tl.constexpr, FMT: tl.constexpr, SW: tl.constexpr, BLOCK_N: tl.constexpr,
           D: tl.constexpr, NOPE: tl.constexpr, QB: tl.constexpr, DATA_BYTES: tl.constexpr,
           SCALE_BYTES: tl.constexpr, DOT_F32: tl.constexpr):
     """Positions `pos` of one index list (n_sel of them selected): load the valid rows and update the
     online softmax (m_i, l_i, acc) of the head rows q."""
-    in_len = pos < n_sel
-    slot = tl.load(idx_row + pos * i_s2, mask=in_len, other=-1).to(tl.int64)
-    ok = in_len & (slot >= 0) & (slot < num_rows)
+    slot, ok = _selected_slots(idx_row, i_s2, pos, n_sel, num_rows)
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
     if SOURCE == 0:
         kv = _fp8_rows(src_ptr, slot, ok, page_stride, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES, SCALE_BYTES,
@@ -129,9 +136,7 @@ def _step_halves(q0, q1, m_i, l_i, acc0, acc1, idx_row, i_s2, pos, n_sel, num_ro
     """`_step` over an fp8_ds_mla cache with the row's dims in two halves: the scores' product of the first half
     can run while the second half is dequantised, and a half's tile at a time is live in registers. acc0 / acc1:
     output dims [0, D/2) / [D/2, D)."""
-    in_len = pos < n_sel
-    slot = tl.load(idx_row + pos * i_s2, mask=in_len, other=-1).to(tl.int64)
-    ok = in_len & (slot >= 0) & (slot < num_rows)
+    slot, ok = _selected_slots(idx_row, i_s2, pos, n_sel, num_rows)
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
     HB: tl.constexpr = D // QB // 2
     kv0 = _fp8_rows(src_ptr, slot, ok, page_stride, BS, FMT, SW, BLOCK_N, D, NOPE, QB, DATA_BYTES, SCALE_BYTES,
