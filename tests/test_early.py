@@ -2,8 +2,8 @@
 
 Each op that reads its inputs early runs right after a kernel that rewrote them, inside a captured graph, and must
 see the new values: the early reads are stale whenever the predecessor is still writing, and only their L2 traffic
-may differ. The predecessors are our own programmatic-dependent top-k (it launches its dependents at its start and
-writes its indices at its end) or torch kernels.
+may differ. The predecessors are our own programmatic-dependent top-k and `reshape_and_cache_flash` (they launch
+their dependents at their start and write at their end) or torch kernels.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch_dsv4_ops.kernels import attention, early, k_cache, sparse_index
 from torch_dsv4_ops.testing import assert_bitwise_equal
 
 WINDOW, RATIO, TOPK = layout.SLIDING_WINDOW, 4, layout.INDEX_TOPK
+DECODE_GEO = attention.Geometry(32, 8, 128, 16, 16, True)    # the paged decode's fp8-cache benchmark shape
 
 
 def test_early_flags_only_where_pdl():
@@ -28,9 +29,8 @@ def test_early_flags_only_where_pdl():
         assert bool(sparse_index.combine_constexprs(WINDOW, RATIO, TOPK, True, 64, 64, target)["EARLY"]) == pdl
         for rows in (256, 4096):
             assert bool(sparse_index.flashinfer_early(rows, target)) == pdl
-        geo = attention.Geometry(32, 8, 128, 16, 16, True)
-        assert bool(attention.decode_tiles(geo, torch.bfloat16, True, target).get("early", 0)) == pdl
-        assert not attention.decode_tiles(geo, torch.bfloat16, False, target).get("early", 0)   # float caches
+        assert bool(attention.decode_tiles(DECODE_GEO, torch.bfloat16, True, target).get("early", 0)) == pdl
+        assert not attention.decode_tiles(DECODE_GEO, torch.bfloat16, False, target).get("early", 0)   # float caches
     assert early.flags(touch=True, late=True) == early.TOUCH.value | early.LATE.value
 
 
@@ -41,7 +41,8 @@ def cuda_early():
 
 
 def _replay_and_check(step, expected, outputs, what, rounds=3):
-    """Capture step() once and replay it: after each replay, outputs equal expected() (computed on the CPU)."""
+    """Capture step() once and replay it: after each replay, outputs equal expected() (computed after the replay,
+    outside the graph)."""
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -172,7 +173,7 @@ def test_paged_decode_sees_the_token_written_just_before(cuda_early):
     from torch_dsv4_ops.ops.attention import example_batch
     from torch_dsv4_ops.testing import assert_close
 
-    assert attention.decode_tiles(attention.Geometry(32, 8, 128, 16, 16, True), torch.bfloat16, True,
+    assert attention.decode_tiles(DECODE_GEO, torch.bfloat16, True,
                                   platform.target_for(torch.device("cuda")))["early"] & early.TOUCH.value
     lens, bs, rounds = [4000, 300, 37, 1000], 16, 3
     batch = list(example_batch([1] * len(lens), [n + rounds + 2 for n in lens], hq=32, hkv=8, dim=128, bs=bs,
