@@ -42,15 +42,15 @@ def _stamp(out_row, o_s1, k, t, t0, TOPK: tl.constexpr):
 
 # (line of _one_tile, lines inserted after it); every anchor must occur exactly once
 _EDITS = (
-    ("    key, _ = _load_keys(row, offs, start, n, s1, cols)",
-     ["    t1 = _clock(tl.max(key, 0))"]),
-    ("    lo, top, c_lo, c_hi = _narrow(key, n, TOPK, LIMIT)",
+    ("    top = _key_of(",
+     ["    t1 = _clock(top)"]),
+    ("    lo, top, c_lo, c_hi = _narrow(x, top, n, TOPK, LIMIT)",
      ["    t2 = _clock(c_lo)"]),
     ("        tl.debug_barrier()                     # every slot is read before the selection overwrites it",
-     ["        t3 = _clock(tl.max(x, 0))"]),
-    ("        thr, above = _short_search(x, lo, top, c_hi, TOPK, LIMIT)",
+     ["        t3 = _clock(tl.max(key, 0))"]),
+    ("        thr, above = _short_search(key, lo, top, c_lo, c_hi, TOPK, LIMIT)",
      ["        t4 = _clock(above)"]),
-    ("        _select_store(x, col, inside, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK, ASM)",
+    ("        _select_store(key, col, inside, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK, ASM)",
      ["        t5 = _clock(_last[0] + _last[1])"] +
      [f"        _stamp(out_row, o_s1, {k}, t{k + 1}, t0, TOPK)" for k in range(STAMPS)]),
 )

@@ -65,3 +65,19 @@ def test_topk_phase_probe_matches_kernel():
     one_tile = src[src.index("def _one_tile("):src.index("def _tiles_histogram(")]
     assert one_tile.count("= _clock(") == probe_topk_phases.STAMPS + 1
     assert one_tile.count("_stamp(out_row") == probe_topk_phases.STAMPS
+
+
+def test_ab_variants_loads_a_module_copy(tmp_path):
+    """benchmarks/ab_variants.py: LABEL=PATH:NAME=VALUE parses, and the copy is a module of its own inside the
+    package (its relative imports resolve) with the constants set, the original module untouched."""
+    from benchmarks import ab_variants
+    from torch_dsv4_ops import platform
+    from torch_dsv4_ops.kernels import topk
+
+    label, path, consts = ab_variants.parse("cap=torch_dsv4_ops/kernels/topk.py:REG_CAP=80,MAX_HALVINGS=1")
+    assert (label, path, consts) == ("cap", "torch_dsv4_ops/kernels/topk.py", {"REG_CAP": 80, "MAX_HALVINGS": 1})
+    module = ab_variants.load_variant(0, path, consts, str(tmp_path))
+    assert module is not topk and module.REG_CAP == {"cuda": 80} and module.MAX_HALVINGS == 1
+    assert topk.REG_CAP != {"cuda": 80} and topk.MAX_HALVINGS == 2
+    cuda = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda")
+    assert module.constexprs(topk.MODE_PREFILL, 8192, 512, cuda)["HALVINGS"] == 1

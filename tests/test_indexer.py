@@ -315,8 +315,8 @@ def test_insert_exact(device, impl, geometry, use_fnuz):
 
 def test_insert_walks_its_groups(device):
     """An insert longer than its grid (`insert_grid`: INSERT_PROGRAMS_PER_SM programs per SM, one under the
-    interpreter) walks its 8-row groups: the whole cache equals the reference's, with a ragged last group, slots
-    that are negative or past the cache, and each program walking two or three groups."""
+    interpreter) walks its groups of INSERT_TOKENS rows: the whole cache equals the reference's, with a ragged last
+    group, slots that are negative or past the cache, and each program walking two or three groups."""
     from torch_dsv4_ops import platform
     from torch_dsv4_ops.kernels.attention import device_multiprocessors
 

@@ -186,8 +186,9 @@ def search_rows(n_cols: int, topk: int, seed: int) -> torch.Tensor:
     """Rows that steer the in-register threshold search into each of its exits: the threshold among consecutive
     floats (the search runs to the last bit after compacting), a value range from subnormals to 1e38, the top
     values packed at one end with -inf elsewhere, fewer than topk non-NaN values, topk + 1 and 2 * topk + 1
-    copies of the maximum (more ties than the topk slots the compaction may fill: the whole-tile halvings
-    resolve them), and topk + 1 or 2 * topk distinct values far above the rest."""
+    copies of the maximum (more ties than the topk slots the compaction may fill: the narrowing ends at
+    lo == top and the last sweep runs over the whole tile), topk + 1 or 2 * topk distinct values far above the rest, and few levels of about topk / 2
+    copies each (counts between them stall the interpolated search, so it snaps to the keys present)."""
     g = torch.Generator().manual_seed(seed)
     base = torch.tensor(1.0)
     chain = [base]
@@ -208,15 +209,33 @@ def search_rows(n_cols: int, topk: int, seed: int) -> torch.Tensor:
     over[torch.randperm(n_cols, generator=g)[:2 * topk + 1]] = 7.0    # 2 * topk + 1 tied maxima
     full = torch.randn(n_cols, generator=g)
     full[1:4 * topk + 1:2] = torch.rand(2 * topk, generator=g) + 50.0  # 2 * topk distinct values on top
-    return torch.stack([adjacent, spread, packed, few, ties, near, over, full])
+    levels = torch.randint(0, n_cols // (topk // 2), (n_cols,), generator=g).float()   # ~topk / 2 copies of each
+    return torch.stack([adjacent, spread, packed, few, ties, near, over, full, levels])
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_threshold_search_rows(device, impl):
     """The rows of `search_rows` (600 columns, top-k 40) against the oracle, whole and from column 1 on."""
     n_cols, topk = 600, 40
-    spans = [(0, n_cols)] * 8 + [(1, n_cols)] * 8
+    spans = [(0, n_cols)] * 9 + [(1, n_cols)] * 9
     check_prefill_rows(device, impl, search_rows(n_cols, topk, seed=11).repeat(2, 1), spans, topk, 1, "search rows")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_whole_and_fitted_tiles(device, impl):
+    """Decode windows that fill the 1024-column tile, its half and its quarter exactly (loaded without masks), and
+    windows one column short of or past those sizes (masked, or the next tile up); top-k 40."""
+    n_cols, topk = 1024, 40
+    seq = [1024, 1023, 512, 513, 511, 256, 257, 255]
+    logits = planted_logits(len(seq), n_cols, seed=21)
+    out = torch.full((len(seq), topk + 2), SENTINEL, dtype=torch.int32)
+    rows = strided_rows(logits, 0, len(seq), n_cols, n_cols, 1)
+    want = expected_out(out, rows, [decode_range(seq, 1, r, n_cols) for r in range(len(seq))], topk)
+    got = out.clone().to(device)
+    with implementation(impl, device):
+        top_k_per_row_decode(logits.to(device), 1, torch.tensor(seq, dtype=torch.int32, device=device), got,
+                             len(seq), n_cols, 1, topk)
+    assert_bitwise_equal(got.cpu(), want, "fitted tiles vs oracle")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -299,6 +318,19 @@ def test_register_cap_rule():
     assert "maxnreg" not in kernels.constexprs(kernels.MODE_DECODE_1D, 16384, 512, cuda)      # 8 warps
     assert "maxnreg" not in kernels.constexprs(kernels.MODE_PREFILL, 4 * kernels.TILE_MAX, 512, cuda)   # streamed
     assert "maxnreg" not in kernels.constexprs(kernels.MODE_PREFILL, 8192, 512, hip)
+
+
+def test_tile_halvings_rule():
+    """A window of at most half or a quarter of the tile runs on a tile of that size, while that tile still holds
+    the short vector (2 * next_pow2(topk) keys) and a key per lane."""
+    from torch_dsv4_ops import platform
+
+    cuda = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda")
+    assert kernels.constexprs(kernels.MODE_PREFILL, 8192, 512, cuda)["HALVINGS"] == 2
+    assert kernels.constexprs(kernels.MODE_DECODE_1D, 16384, 512, cuda)["HALVINGS"] == 2
+    assert kernels.constexprs(kernels.MODE_PREFILL, 2048, 512, cuda)["HALVINGS"] == 1
+    assert kernels.constexprs(kernels.MODE_PREFILL, 1024, 512, cuda)["HALVINGS"] == 0
+    assert kernels.halvings(256, 64, 128) == 1 and kernels.halvings(128, 64, 128) == 0
 
 
 @pytest.mark.parametrize("impl", IMPLS)

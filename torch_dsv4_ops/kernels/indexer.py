@@ -26,7 +26,7 @@ from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernel
 from .early import pdl_open, pdl_wait
 from .k_cache import ue8m0_codec, ue8m0_codes, ue8m0_exponents
 
-INSERT_TOKENS = 8            # rows per insert group (2 KB of bf16 in, 1 KB of codes and 32 B of scales out)
+INSERT_TOKENS = 16           # rows per insert group (4 KB of bf16 in, 2 KB of codes and 64 B of scales out)
 INSERT_MAX_WARPS = 4         # ... on at most this many warps
 INSERT_PROGRAMS_PER_SM = 16  # a longer insert runs this many programs per SM, each walking its groups (`insert_grid`)
 GATHER_ROWS = 16             # rows per gather step

@@ -9,20 +9,24 @@
   #(key > T) keys equal to T are taken, the lowest-indexed ones: a last sweep takes key > T, plus key == T while
   fewer than `need` equal keys precede, and stores column - lo at the output position given by the exclusive
   prefix count of taken keys: exactly TOPK indices, in ascending order.
-  - A window of at most BLOCK columns (`_one_tile`, every row when N <= BLOCK) keeps its keys in registers.
-    Counts over the whole tile (`_narrow`: the largest key, thresholds stepping down from it by 1, 2, 4, ...
-    binades, then halvings) narrow an interval holding T until at most LIMIT = 2 * TOPK - 1 keys are >= its low
-    end. Those keys' positions go, in column order, to the row's own output slots (int16, two per slot) and come
-    back with their keys as a short vector, on which `_short_search` finds T (quarters per pass) and the last
-    sweep runs. Ties that keep more than LIMIT keys >= T send the whole tile through the last sweep.
+  - A window of at most BLOCK columns (`_one_tile`, every row when N <= BLOCK) keeps its values in registers,
+    as float32 (NaN outside the window): a threshold key t is compared as the value `_key_floor(t)`, so no key is
+    formed per lane. The tile is the least of BLOCK, BLOCK / 2, BLOCK / 4 columns that holds the window
+    (`_fitted_tile`, HALVINGS), and a window that fills it is loaded without masks. Counts over the whole tile
+    (`_narrow`: thresholds stepping down from the largest key by 1, 2, 4, ... binades, then interpolated between
+    the counts so far) narrow an interval holding T until at most LIMIT = 2 * TOPK - 1 keys are >= its low end.
+    Those keys' positions go, in column order, to the row's own output slots (int16, two per slot) and come back
+    with their keys as a short vector, on which `_short_search` finds T (interpolated bounds, and snaps to the
+    keys present) and the last sweep runs. Ties that keep more than LIMIT keys >= T send the whole tile through
+    the last sweep.
   - A longer window (`_streamed`, compiled only when N > BLOCK: STREAM) runs a radix select over BLOCK-column
     tiles read once per pass, each pass a tl.histogram of the candidates whose higher digits match so far
     (`radix_bits()`: 6 passes of 7 + 5 x 5 bits), carrying the histogram and the prefix counts across tiles.
 * The row is read through a window that starts at the ALIGN-aligned column at or below lo (vector loads; the
-  load mask is the row end only, the range is applied to the keys).
+  load mask is the row end only, the range is applied to the values).
 
 Runtime: N (logits.shape[1]), every stride, next_n and B (seq_lens rows); constexpr: the mode (prefill,
-decode with 2-D or 1-D seq_lens), TOPK, the tile sizes, STREAM, ASM (the stores to computed positions as
+decode with 2-D or 1-D seq_lens), TOPK, the tile sizes, HALVINGS, STREAM, ASM (the stores to computed positions as
 inline PTX, `kernels/scatter.py`) and PDL (SPEC §4 h). No load or store reaches
 outside the row's [0, N) columns or the tensors' rows (§4 b); offsets inside a row are int32 (the host checks
 that (N - 1) * stride1 fits), row bases int64.
@@ -56,11 +60,13 @@ PER_THREAD = 64           # keys per lane of the in-register path: sets the warp
 STREAM_PER_THREAD = 16    # keys per lane of a streamed tile
 MAX_WARPS = {"cuda": 32, "hip": 8, "interpreter": 8}
 # Register cap of in-register tiles of at most REG_CAP_WARPS warps (NVIDIA): 5 programs per SM instead of 2 (255
-# registers). H100, prefill 4096 x 8192 causal, with `scatter` stores: 145 us at 168, 137 at 128, 122 at 104,
-# 119 at 96, 124 at 88, 130 at 80, 146 at 72 (NOTES.md "Top-k stores without a layout conversion").
-REG_CAP = {"cuda": 96}
+# registers). H100, prefill 4096 x 8192 causal / full: 83.3 / 97.3 us at 88, 83.3 / 99.0 at 84, 80.1-80.6 /
+# 95.4-95.9 at 92, 83.3 / 100.7 at 96 (NOTES.md "Top-k on float values").
+REG_CAP = {"cuda": 92}
 REG_CAP_WARPS = 4
+MAX_HALVINGS = 2          # a window of at most a half / a quarter of the tile runs on a tile of that size
 KEY_SIGN = tl.constexpr(0x80000000)
+NEG_INF_KEY = tl.constexpr(0x007FFFFF)   # the key of -inf
 # tl.histogram's mask argument (recent Triton); without it, lanes outside the candidates count in bin 0 and are
 # subtracted there
 HIST_MASK = tl.constexpr("mask" in inspect.signature(tl.histogram).parameters)
@@ -74,17 +80,46 @@ def _pdl_start(PDL: tl.constexpr):
 
 
 @triton.jit
-def _load_keys(row_ptr, j, start, n, s1, cols):
-    """(uint32 keys, live) of the window's positions j (j < cols: inside the row), live where j - start is in
-    [0, n). The load is masked by j < cols only (uniform over aligned runs: vector loads), the range after.
-    Keys order the values: NaN -> 1 (below -inf, whose key is 2**23 - 1), -0.0 -> the key of +0.0,
-    negatives -> ~bits, non-negatives -> bits | 2**31; a lane outside [start, start + n) has key 0."""
-    x = tl.load(row_ptr + j * s1, mask=j < cols, other=0.0).to(tl.float32)
+def _key_of(x):
+    """uint32 keys ordering float32 values: NaN -> 1 (below -inf, whose key is 2**23 - 1), -0.0 -> the key of
+    +0.0, negatives -> ~bits, non-negatives -> bits | 2**31."""
     bits = x.to(tl.uint32, bitcast=True)
     key = tl.where((bits >> 31) != 0, ~bits, bits | KEY_SIGN)
     key = tl.where(x == 0.0, KEY_SIGN, key)
-    live = (j >= start) & (j < start + n)
-    return tl.where(live, tl.where(x != x, 1, key), 0), live
+    return tl.where(x != x, 1, key)
+
+
+@triton.jit
+def _key_floor(t):
+    """The least float32 whose key is >= t, for a uint32 key t >= 2: -inf up to the key of -inf, NaN (no value is
+    >= NaN) above the key of +inf. So x >= _key_floor(t) <=> key(x) >= t for every value x."""
+    bits = tl.where(t >= KEY_SIGN, t ^ KEY_SIGN, ~t)
+    return tl.where(t <= NEG_INF_KEY, float("-inf"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _live(j, start, n):
+    """j - start in [0, n)."""
+    return (j - start).to(tl.uint32) < n.to(tl.uint32)
+
+
+@triton.jit
+def _load_keys(row_ptr, j, start, n, s1, cols):
+    """(uint32 keys, live) of the window's positions j (j < cols: inside the row), live where j - start is in
+    [0, n). The load is masked by j < cols only (uniform over aligned runs: vector loads), the range after; a lane
+    outside [start, start + n) has key 0."""
+    x = tl.load(row_ptr + j * s1, mask=j < cols, other=0.0).to(tl.float32)
+    live = _live(j, start, n)
+    return tl.where(live, _key_of(x), 0), live
+
+
+@triton.jit
+def _load_values(row_ptr, j, start, n, s1, cols):
+    """float32 values of the window's positions j as `_load_keys` loads them, NaN outside [start, start + n)
+    (NaN is >= no threshold, so those lanes never count)."""
+    x = tl.load(row_ptr + j * s1, mask=j < cols, other=0.0).to(tl.float32)
+    # not `_live`: a common subexpression with a later `_load_keys` would keep a predicate per lane alive between
+    return tl.where((j >= start) & (j < start + n), x, float("nan"))
 
 
 @triton.jit
@@ -134,61 +169,94 @@ def _select_store(key, j, live, thr, need, g_run, e_run, out_row, o_s1, TOPK: tl
 
 
 @triton.jit
-def _count_at_least(key, t):
-    """#(key >= t) over a tile of keys (uint32 t >= 1, so lanes of key 0 never count)."""
-    return tl.sum((key >= t).to(tl.int32), 0)
+def _drop(d, span):
+    """A float distance d below top + 1 as a uint32 in [1, span - 1] (span >= 2 keys in [lo, top])."""
+    return tl.minimum(tl.minimum(tl.maximum(d, 1.0), span.to(tl.float32)).to(tl.uint32), span - 1)
 
 
 @triton.jit
-def _narrow(key, n, TOPK: tl.constexpr, LIMIT: tl.constexpr):
-    """Narrow an interval [lo, top] holding T, the TOPK-th largest of the n > TOPK live keys of one register tile
-    (key 0: not a candidate), by counting over the whole tile, until at most LIMIT keys are >= lo or lo == top.
-    The interval starts at [1, largest key]; thresholds step down from the top by one binade (2**23 keys), then
-    2, 4, ... binades, until one holds TOPK keys; from there on each count halves the interval.
-    Returns (lo, top, #(key >= lo), #(key > top)) as int64 / int32 scalars."""
-    lo = (n * 0 + 1).to(tl.int64)              # key 0 is never a candidate, so T >= 1
-    top = tl.max(key, 0).to(tl.int64)          # nothing lies above the largest key
-    c_lo = n                                   # #(key >= lo)
+def _narrow(x, top, n, TOPK: tl.constexpr, LIMIT: tl.constexpr):
+    """Narrow an interval [lo, top] of uint32 keys holding T, the TOPK-th largest key of the n > TOPK live lanes of
+    a register tile of float32 values x (NaN outside the window), by counting over the whole tile, until at most
+    LIMIT keys are >= lo > 1 or lo == top. The interval starts at [1, top] (top: the largest key). A window of at
+    most LIMIT keys counts once at key 2 (does it hold TOPK keys other than NaN?). Otherwise thresholds step down
+    from the top by one binade (2**23 keys), then 2, 4, ... binades, until one holds TOPK keys; from there on each
+    count aims, by interpolation, at (TOPK + LIMIT) / 2 keys, with a halving after any count that did not halve
+    the interval. Returns (lo, top, #(key >= lo), #(key > top)): uint32, uint32, int32, int32 scalars."""
+    AIM: tl.constexpr = (TOPK + LIMIT) // 2
+    lo = top * 0 + 1                           # key 0 is never a candidate, so T >= 1
+    c_lo = n                                   # #(key >= lo): every live lane
     c_hi = n * 0                               # #(key > top)
-    step = lo * 0 + (1 << 23)                  # downward from the top, one binade, then doubling
-    while (lo < top) & (c_lo > LIMIT):
-        g = top + 1 - step
-        mid = tl.where((step > 0) & (g > lo), g, lo + (top - lo + 1) // 2)
-        c = _count_at_least(key, mid.to(tl.uint32))
+    step = top * 0 + (1 << 23)                 # downward from the top, one binade, then doubling
+    halve = n < 0
+    while (lo < top) & ((c_lo > LIMIT) | (lo == 1)):
+        span = top - lo + 1
+        if c_lo <= LIMIT:
+            mid = lo + 1
+        elif step > 0:
+            mid = tl.where(step < span, top + 1 - step, lo + span // 2)
+        elif halve:
+            mid = lo + span // 2
+        else:
+            mid = top + 1 - _drop((AIM - c_hi).to(tl.float32) / (c_lo - c_hi).to(tl.float32) * span.to(tl.float32),
+                                  span)
+        c = tl.sum((x >= _key_floor(mid)).to(tl.int32), 0)
         up = c >= TOPK
         lo = tl.where(up, mid, lo)
         c_lo = tl.where(up, c, c_lo)
         top = tl.where(up, top, mid - 1)
         c_hi = tl.where(up, c_hi, c)
-        step = tl.where(up, 0, step * 2)       # bisection once a threshold holds TOPK keys
+        halve = (step == 0) & ~halve & (top - lo + 1 > span // 2)
+        step = tl.where(up, 0, tl.where(step < (1 << 31), step * 2, step))    # interpolation once one holds TOPK
     return lo, top, c_lo, c_hi
 
 
 @triton.jit
-def _short_search(x, lo, top, c_hi, TOPK: tl.constexpr, LIMIT: tl.constexpr):
-    """(T, #(x > T)) for a short vector x holding every key >= lo (at most LIMIT; 0 in unused lanes), T in
-    [lo, top] the TOPK-th largest, c_hi = #(x > top). Each pass cuts [lo, top] into NT + 1 parts and counts x
-    against their NT inner bounds in one int32 sum of NT fields (a count <= LIMIT fits FIELD bits): 3 bounds
-    for LIMIT < 1024, else 2."""
+def _min_max(a_lo, a_hi, b_lo, b_hi):
+    return tl.minimum(a_lo, b_lo), tl.maximum(a_hi, b_hi)
+
+
+@triton.jit
+def _short_search(x, lo, top, c_lo, c_hi, TOPK: tl.constexpr, LIMIT: tl.constexpr):
+    """(T, #(x > T)) for a short vector x of keys holding every key >= lo (at most LIMIT; 0 in unused lanes), T in
+    [lo, top] the TOPK-th largest, c_lo = #(x >= lo), c_hi = #(x > top) (uint32 keys, int32 counts).
+    A counting pass puts NT bounds around the interpolated position of T (one interval's worth of keys apart) and
+    counts x against them in one int32 sum of NT fields (a count <= LIMIT fits FIELD bits): 3 bounds for
+    LIMIT < 1024, else 2. A snapping pass moves lo up to the least key >= lo and top down to the greatest key
+    <= top (one reduction of both); it ends the search when T is one of them (c_lo == TOPK: the least;
+    c_hi == TOPK - 1: the greatest) and follows any counting pass that did not halve the interval (ties)."""
     FIELD: tl.constexpr = LIMIT.bit_length()
     NT: tl.constexpr = 3 if FIELD <= 10 else 2
     MASK: tl.constexpr = (1 << FIELD) - 1
+    snap = (c_lo == TOPK) | (c_hi == TOPK - 1)
     while lo < top:
-        span = top - lo + 1
-        packed = tl.zeros(x.shape, tl.int32)
-        for i in tl.static_range(NT):
-            t = lo + tl.maximum((span * (i + 1)) // (NT + 1), 1)
-            packed += tl.where(x >= t.to(tl.uint32), 1 << (FIELD * i), 0)
-        counts = tl.sum(packed, 0)
-        new_lo = lo
-        for i in tl.static_range(NT - 1, -1, -1):
-            t = lo + tl.maximum((span * (i + 1)) // (NT + 1), 1)
-            c = (counts >> (FIELD * i)) & MASK
-            top = tl.where(c >= TOPK, top, t - 1)      # descending: the lowest bound short of TOPK keys stays
-            c_hi = tl.where(c >= TOPK, c_hi, c)
-            new_lo = tl.where((c >= TOPK) & (new_lo == lo), t, new_lo)     # ... and the highest holding them
-        lo = new_lo
-    return lo.to(tl.uint32), c_hi
+        if snap:
+            least, greatest = tl.reduce((tl.where(x >= lo, x, 0xFFFFFFFF), tl.where(x <= top, x, 0)), 0, _min_max)
+            lo = tl.where(c_hi == TOPK - 1, greatest, least)
+            top = tl.where(c_lo == TOPK, least, greatest)
+            snap = False
+        else:
+            span = top - lo + 1
+            end = top + 1
+            width = span.to(tl.float32) / (c_lo - c_hi).to(tl.float32)
+            drop = ((TOPK - c_hi).to(tl.float32) - 0.5) / (c_lo - c_hi).to(tl.float32) * span.to(tl.float32)
+            packed = tl.zeros(x.shape, tl.int32)
+            for i in tl.static_range(NT):
+                t = end - _drop(drop + (NT // 2 - i) * width, span)
+                packed += tl.where(x >= t, 1 << (FIELD * i), 0)
+            counts = tl.sum(packed, 0)
+            new_lo = lo
+            for i in tl.static_range(NT - 1, -1, -1):
+                t = end - _drop(drop + (NT // 2 - i) * width, span)
+                c = (counts >> (FIELD * i)) & MASK
+                first = (c >= TOPK) & (new_lo == lo)       # descending: the highest bound holding TOPK keys ...
+                top = tl.where(c >= TOPK, top, t - 1)      # ... and the lowest one short of them
+                c_hi = tl.where(c >= TOPK, c_hi, c)
+                c_lo = tl.where(first, c, c_lo)
+                new_lo = tl.where(first, t, new_lo)
+            lo = new_lo
+            snap = (top - lo + 1 > span // 2) | (c_lo == TOPK) | (c_hi == TOPK - 1)
+    return lo, c_hi
 
 
 @triton.jit
@@ -206,7 +274,8 @@ def _half_slots(out_row, p, o_s1):
 @triton.jit
 def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr,
               ASM: tl.constexpr):
-    """A window of at most BLOCK columns (positions j = offs, candidates j - start in [0, n)), keys in registers.
+    """A window of at most len(offs) columns (positions j = offs, candidates j - start in [0, n)), values in
+    registers as float32 (NaN outside the window; a threshold key t becomes the value `_key_floor(t)`).
 
     1. `_narrow` until at most LIMIT = min(2 * TOPK - 1, CAP) keys are >= lo.
     2. Their positions, in column order, go to the row's own output as int16 (2 * TOPK slots; a barrier orders
@@ -214,23 +283,49 @@ def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, 
     3. `_short_search` finds T on that vector, and the selection (`_select_store`) scans it, not the whole tile.
     When ties leave more than LIMIT keys >= T, T = lo = top and the whole tile is scanned."""
     LIMIT: tl.constexpr = 2 * TOPK - 1 if 2 * TOPK - 1 < CAP else CAP
-    key, _ = _load_keys(row, offs, start, n, s1, cols)         # key 0 marks the lanes outside the window
-    lo, top, c_lo, c_hi = _narrow(key, n, TOPK, LIMIT)
-    if c_lo <= LIMIT:
-        flag = (key >= lo.to(tl.uint32)).to(tl.int32)
+    if (start == 0) & (n == offs.shape[0]):
+        x = tl.load(row + offs * s1).to(tl.float32)            # the whole tile: no masks
+    else:
+        x = _load_values(row, offs, start, n, s1, cols)
+    top = _key_of(tl.max(x, 0))                # max ignores NaN lanes (maxnum); all NaN: key 1
+    lo, top, c_lo, c_hi = _narrow(x, top, n, TOPK, LIMIT)
+    if (c_lo <= LIMIT) & (lo > 1):
+        flag = (x >= _key_floor(lo)).to(tl.int32)
         pos = tl.cumsum(flag, 0) - flag
         scatter(_half_slots(out_row, pos, o_s1), (offs - start).to(tl.int16), flag != 0, ASM)
         tl.debug_barrier()
         p = tl.arange(0, CAP)
         inside = p < c_lo
         col = tl.load(_half_slots(out_row, p, o_s1), mask=inside, other=0).to(tl.int32)
-        x = _load_keys(row, tl.where(inside, col + start, cols), start, n, s1, cols)[0]
+        key = _load_keys(row, tl.where(inside, col + start, cols), start, n, s1, cols)[0]
         tl.debug_barrier()                     # every slot is read before the selection overwrites it
-        thr, above = _short_search(x, lo, top, c_hi, TOPK, LIMIT)
-        _select_store(x, col, inside, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK, ASM)
+        thr, above = _short_search(key, lo, top, c_lo, c_hi, TOPK, LIMIT)
+        _select_store(key, col, inside, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK, ASM)
     else:
-        _select_store(key, offs - start, key != 0, lo.to(tl.uint32), TOPK - c_hi, 0, 0, out_row, o_s1, TOPK,
+        live = _live(offs, start, n)           # keys from x: reading the row again would keep its addresses
+        _select_store(tl.where(live, _key_of(x), 0), offs - start, live, lo, TOPK - c_hi, 0, 0, out_row, o_s1, TOPK,
                       ASM)
+
+
+@triton.jit
+def _fitted_tile(row, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr, ASM: tl.constexpr,
+                 BLOCK: tl.constexpr, HALVINGS: tl.constexpr):
+    """`_one_tile` over the least of BLOCK, BLOCK / 2, ..., BLOCK / 2**HALVINGS (HALVINGS <= 2) columns that holds
+    the window [0, start + n) (start + n <= BLOCK): a short row costs what its length needs."""
+    if HALVINGS >= 2:
+        if start + n <= BLOCK // 4:
+            _one_tile(row, tl.arange(0, BLOCK // 4), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+        elif start + n <= BLOCK // 2:
+            _one_tile(row, tl.arange(0, BLOCK // 2), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+        else:
+            _one_tile(row, tl.arange(0, BLOCK), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+    elif HALVINGS == 1:
+        if start + n <= BLOCK // 2:
+            _one_tile(row, tl.arange(0, BLOCK // 2), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+        else:
+            _one_tile(row, tl.arange(0, BLOCK), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+    else:
+        _one_tile(row, tl.arange(0, BLOCK), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
 
 
 @triton.jit
@@ -276,7 +371,8 @@ def _streamed(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, 
 def topk_per_row_kernel(
     logits_ptr, a_ptr, b_ptr, out_ptr, n_cols, l_s0, l_s1, a_s0, a_s1, b_s0, o_s0, o_s1, next_n, n_seq,
     MODE: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-    RADIX: tl.constexpr, CAP: tl.constexpr, STREAM: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    RADIX: tl.constexpr, CAP: tl.constexpr, HALVINGS: tl.constexpr, STREAM: tl.constexpr, ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Prefill: a = cu_seqlen_ks, b = cu_seqlen_ke. Decode: a = b = seq_lens ([B, next_n] or [B]).
     STREAM: the row is wider than BLOCK, so a window may need the streaming path."""
@@ -311,14 +407,13 @@ def topk_per_row_kernel(
         start = (lo - base).to(tl.int32)
         row = logits_ptr + r * l_s0 + base * l_s1
         cols = n_cols - base                   # positions inside the row
-        offs = tl.arange(0, BLOCK)
         if STREAM:
             if start + n <= BLOCK:
-                _one_tile(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+                _fitted_tile(row, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP, ASM, BLOCK, HALVINGS)
             else:
-                _streamed(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, BLOCK, RADIX, ASM)
+                _streamed(row, tl.arange(0, BLOCK), start, n, l_s1, cols, out_row, o_s1, TOPK, BLOCK, RADIX, ASM)
         else:
-            _one_tile(row, offs, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+            _fitted_tile(row, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP, ASM, BLOCK, HALVINGS)
 
 
 LAUNCHER = FastLauncher(topk_per_row_kernel)
@@ -347,13 +442,23 @@ def num_warps(target: platform.Target, block: int, stream: bool = False) -> int:
     return min(MAX_WARPS.get(target.backend, 8), 1 << (warps.bit_length() - 1))
 
 
+def halvings(block: int, short: int, lanes: int) -> int:
+    """How many times a tile of `block` columns may halve (at most MAX_HALVINGS) and still hold the short vector
+    (`short` keys) and a key per lane."""
+    h = 0
+    while h < MAX_HALVINGS and block >> (h + 1) >= max(short, lanes):
+        h += 1
+    return h
+
+
 def constexprs(mode: int, n_cols: int, topk: int, target: platform.Target) -> dict:
     block = tile_for(n_cols)
     stream = n_cols > block
     warps = num_warps(target, block, stream)
     cap = REG_CAP.get(target.backend) if not stream and warps <= REG_CAP_WARPS else None
+    short = min(2 * triton.next_power_of_2(topk), block)
     return dict(MODE=mode, TOPK=topk, BLOCK=block, OUT_BLOCK=min(OUT_BLOCK_MAX, triton.next_power_of_2(topk)),
-                ALIGN=ALIGN, RADIX=radix_bits(), CAP=min(2 * triton.next_power_of_2(topk), block),
+                ALIGN=ALIGN, RADIX=radix_bits(), CAP=short, HALVINGS=halvings(block, short, warps * target.warp_size),
                 STREAM=stream, ASM=use_asm(target), PDL=platform.supports_pdl(target), num_warps=warps,
                 **({"maxnreg": cap} if cap else {}))
 

@@ -1,0 +1,102 @@
+"""A/B of kernel-module variants in one process (GPU): `python -m benchmarks.ab_variants FAMILY [--rounds N] VARIANT...`
+
+FAMILY is `topk` (the top-k benchmark's four cases) or `insert` (the indexer K insert cases). Each VARIANT is
+`LABEL=PATH[:NAME=VALUE,...]`: the kernel module's source at PATH (e.g. the current `torch_dsv4_ops/kernels/topk.py`,
+or an older version saved with `git show REV:torch_dsv4_ops/kernels/topk.py > old.py`), loaded as its own module
+inside the package (so its relative imports resolve), with module constants overridden (`REG_CAP=92` sets
+`{"cuda": 92}`). The op module's `kernels` is pointed at each variant in turn and its plan cache emptied, and every
+case is checked against the reference and timed by CUDA-graph replay (`harness.time_graph`), the variants
+alternating in each of N rounds, so that machine drift shows as a difference between rounds, not variants.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import sys
+import tempfile
+
+import torch
+import triton.language as tl
+
+from torch_dsv4_ops.ops import indexer as indexer_ops, topk as topk_ops
+from torch_dsv4_ops.ops._plans import PlanCache
+
+from . import bench_indexer, bench_topk, harness
+
+
+def load_variant(index: int, path: str, consts: dict, directory: str):
+    """The module at `path` as torch_dsv4_ops.kernels._variant<index>, with `consts` set on it."""
+    name = f"torch_dsv4_ops.kernels._variant{index}"
+    copy = pathlib.Path(directory) / f"_variant{index}.py"
+    copy.write_text(pathlib.Path(path).read_text())
+    spec = importlib.util.spec_from_file_location(name, copy)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    for key, value in consts.items():
+        old = getattr(module, key)
+        if isinstance(old, dict):
+            value = {"cuda": value}
+        setattr(module, key, tl.constexpr(value) if isinstance(old, tl.constexpr) else value)
+    return module
+
+
+def parse(variant: str) -> tuple[str, str, dict]:
+    label, _, rest = variant.partition("=")
+    path, _, assigns = rest.partition(":")
+    consts = {k: int(v) for k, v in (a.split("=") for a in assigns.split(",") if a)}
+    return label, path, consts
+
+
+def _topk_cases(device) -> list:
+    specs = [bench_topk.Spec(op, *shape, ranges) for op, shape, ranges in (
+        ("decode", bench_topk.DECODE, "full"), ("decode", bench_topk.DECODE, "random"),
+        ("prefill", bench_topk.PREFILL, "causal"), ("prefill", bench_topk.PREFILL, "full"))]
+    return [(s, bench_topk.build(s, device)) for s in specs]
+
+
+def _insert_cases(device) -> list:
+    specs = [bench_indexer.Spec("insert", T=t) for t in bench_indexer.INSERT_T]
+    specs.append(bench_indexer.Spec("insert", T=bench_indexer.HEADLINE_T, pages=True))
+    return [(s, bench_indexer.build_insert(s, device)) for s in specs]
+
+
+# family: (op module whose `kernels` is swapped, its plan cache's name, the cases)
+FAMILIES = {"topk": (topk_ops, "_PLANS", _topk_cases), "insert": (indexer_ops, "_INSERT_PLANS", _insert_cases)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ab_variants", description=__doc__.splitlines()[0])
+    p.add_argument("family", choices=sorted(FAMILIES))
+    p.add_argument("variants", nargs="+", help="LABEL=PATH[:NAME=VALUE,...]")
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("ab_variants: needs a CUDA GPU")
+        return 1
+    ops, plans, build = FAMILIES[args.family]
+    original = ops.kernels
+    with tempfile.TemporaryDirectory() as d:
+        variants = [(label, load_variant(i, path, consts, d))
+                    for i, (label, path, consts) in enumerate(map(parse, args.variants))]
+        workloads = build(torch.device("cuda"))
+        width = max(len(label) for label, _ in variants)
+        try:
+            for r in range(args.rounds):
+                for label, module in variants:
+                    ops.kernels = module
+                    setattr(ops, plans, PlanCache())
+                    cells = []
+                    for spec, w in workloads:
+                        check = w.check()
+                        cells.append(f"{spec.name} {harness.time_graph(w, 20):8.2f} us {check}")
+                    print(f"r{r} {label:{width}s} " + " | ".join(cells), flush=True)
+        finally:
+            ops.kernels = original
+            setattr(ops, plans, PlanCache())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
