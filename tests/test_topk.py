@@ -187,8 +187,9 @@ def search_rows(n_cols: int, topk: int, seed: int) -> torch.Tensor:
     floats (the search runs to the last bit after compacting), a value range from subnormals to 1e38, the top
     values packed at one end with -inf elsewhere, fewer than topk non-NaN values, topk + 1 and 2 * topk + 1
     copies of the maximum (more ties than the topk slots the compaction may fill: the narrowing ends at
-    lo == top and the last sweep runs over the whole tile), topk + 1 or 2 * topk distinct values far above the rest, and few levels of about topk / 2
-    copies each (counts between them stall the interpolated search, so it snaps to the keys present)."""
+    lo == top and the last sweep runs over the whole tile), topk + 1 or 2 * topk distinct values far above the
+    rest, and few levels of about topk / 2 copies each (counts between them stall the interpolated search, so it
+    snaps to the keys present)."""
     g = torch.Generator().manual_seed(seed)
     base = torch.tensor(1.0)
     chain = [base]
