@@ -25,15 +25,22 @@ from torch_dsv4_ops.ops._plans import PlanCache
 from . import bench_indexer, bench_topk, harness
 
 
-def load_variant(index: int, path: str, consts: dict, directory: str):
-    """The module at `path` as torch_dsv4_ops.kernels._variant<index>, with `consts` set on it."""
-    name = f"torch_dsv4_ops.kernels._variant{index}"
-    copy = pathlib.Path(directory) / f"_variant{index}.py"
-    copy.write_text(pathlib.Path(path).read_text())
-    spec = importlib.util.spec_from_file_location(name, copy)
+def load_kernel_source(stem: str, source: str, directory: str):
+    """`source` (a kernel module's text) as module torch_dsv4_ops.kernels.<stem>, written to directory/<stem>.py, so
+    that its relative imports resolve."""
+    name = f"torch_dsv4_ops.kernels.{stem}"
+    path = pathlib.Path(directory) / f"{stem}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def load_variant(index: int, path: str, consts: dict, directory: str):
+    """The module at `path` as torch_dsv4_ops.kernels._variant<index>, with `consts` set on it."""
+    module = load_kernel_source(f"_variant{index}", pathlib.Path(path).read_text(), directory)
     for key, value in consts.items():
         old = getattr(module, key)
         if isinstance(old, dict):

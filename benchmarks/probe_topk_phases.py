@@ -10,7 +10,6 @@ one launch, not graph-replay microseconds.
 """
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from torch_dsv4_ops import platform
 from torch_dsv4_ops.kernels import topk as kernels
 
 from . import bench_topk
+from .ab_variants import load_kernel_source
 
 PHASES = ("load + max", "narrow", "compact + read back", "short search", "last sweep")
 STAMPS = len(PHASES)
@@ -75,14 +75,7 @@ def stamped_source() -> str:
 
 def load_stamped(directory: str):
     """The stamped copy as module torch_dsv4_ops.kernels._topk_stamped (its relative imports resolve)."""
-    path = pathlib.Path(directory) / "_topk_stamped.py"
-    path.write_text(stamped_source())
-    name = "torch_dsv4_ops.kernels._topk_stamped"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_kernel_source("_topk_stamped", stamped_source(), directory)
 
 
 def phase_cycles(module, op: str, rows: int, cols: int, topk: int = 512) -> list:

@@ -41,12 +41,8 @@ import triton.language as tl
 
 from .. import layout, platform
 from ._launch import FastLauncher, launch_options, triton_minor  # noqa: F401  (ops use launch_options)
+from .early import pdl_open, pdl_wait
 from .scatter import scatter, use_asm
-
-if platform.INTERPRET:   # the interpreter has no grid dependency control; PDL is False there
-    gdc_wait = gdc_launch_dependents = None
-else:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MODE_PREFILL, MODE_DECODE_2D, MODE_DECODE_1D = 0, 1, 2
 MODE_NAMES = {MODE_PREFILL: "prefill", MODE_DECODE_2D: "decode2d", MODE_DECODE_1D: "decode1d"}
@@ -70,13 +66,6 @@ NEG_INF_KEY = tl.constexpr(0x007FFFFF)   # the key of -inf
 # tl.histogram's mask argument (recent Triton); without it, lanes outside the candidates count in bin 0 and are
 # subtracted there
 HIST_MASK = tl.constexpr("mask" in inspect.signature(tl.histogram).parameters)
-
-
-@triton.jit
-def _pdl_start(PDL: tl.constexpr):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
 
 
 @triton.jit
@@ -104,20 +93,26 @@ def _live(j, start, n):
 
 
 @triton.jit
+def _load_row(row_ptr, j, s1, cols):
+    """float32 values of the window's positions j (j < cols: inside the row), masked by j < cols only (uniform over
+    aligned runs: vector loads); the window's range is applied by the callers."""
+    return tl.load(row_ptr + j * s1, mask=j < cols, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _load_keys(row_ptr, j, start, n, s1, cols):
-    """(uint32 keys, live) of the window's positions j (j < cols: inside the row), live where j - start is in
-    [0, n). The load is masked by j < cols only (uniform over aligned runs: vector loads), the range after; a lane
-    outside [start, start + n) has key 0."""
-    x = tl.load(row_ptr + j * s1, mask=j < cols, other=0.0).to(tl.float32)
+    """(uint32 keys, live) of the window's positions j, live where j - start is in [0, n); a lane outside
+    [start, start + n) has key 0."""
+    x = _load_row(row_ptr, j, s1, cols)
     live = _live(j, start, n)
     return tl.where(live, _key_of(x), 0), live
 
 
 @triton.jit
 def _load_values(row_ptr, j, start, n, s1, cols):
-    """float32 values of the window's positions j as `_load_keys` loads them, NaN outside [start, start + n)
-    (NaN is >= no threshold, so those lanes never count)."""
-    x = tl.load(row_ptr + j * s1, mask=j < cols, other=0.0).to(tl.float32)
+    """float32 values of the window's positions j, NaN outside [start, start + n) (NaN is >= no threshold, so those
+    lanes never count)."""
+    x = _load_row(row_ptr, j, s1, cols)
     # not `_live`: a common subexpression with a later `_load_keys` would keep a predicate per lane alive between
     return tl.where((j >= start) & (j < start + n), x, float("nan"))
 
@@ -377,7 +372,8 @@ def topk_per_row_kernel(
     """Prefill: a = cu_seqlen_ks, b = cu_seqlen_ke. Decode: a = b = seq_lens ([B, next_n] or [B]).
     STREAM: the row is wider than BLOCK, so a window may need the streaming path."""
     r = tl.program_id(0).to(tl.int64)
-    _pdl_start(PDL)
+    pdl_open(PDL, 0)
+    pdl_wait(PDL, 0)
     if MODE == 0:
         ks = tl.load(a_ptr + r * a_s0).to(tl.int64)
         ke = tl.load(b_ptr + r * b_s0).to(tl.int64)
