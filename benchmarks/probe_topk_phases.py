@@ -44,7 +44,7 @@ def _stamp(out_row, o_s1, k, t, t0, TOPK: tl.constexpr):
 _EDITS = (
     ("    top = _key_of(",
      ["    t1 = _clock(top)"]),
-    ("    lo, top, c_lo, c_hi = _narrow(x, top, n, TOPK, LIMIT)",
+    ("    lo, top, c_lo, c_hi, c_lo_w = _narrow(",
      ["    t2 = _clock(c_lo)"]),
     ("        tl.debug_barrier()                     # every slot is read before the selection overwrites it",
      ["        t3 = _clock(tl.max(key, 0))"]),

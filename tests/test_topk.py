@@ -5,6 +5,7 @@ lowest, then by index; the first topk re-sorted ascending); the package's refere
 the kernel. Outputs are poisoned: columns past topk and rows past num_rows must keep their sentinel.
 """
 import math
+import re
 
 import pytest
 import torch
@@ -315,10 +316,65 @@ def test_register_cap_rule():
     cuda = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda")
     hip = next(t for t in platform.MATRIX_TARGETS if t.backend == "hip")
     prefill = kernels.constexprs(kernels.MODE_PREFILL, 8192, 512, cuda)
-    assert prefill["num_warps"] <= kernels.REG_CAP_WARPS and prefill["maxnreg"] == kernels.REG_CAP["cuda"]
+    caps = kernels.COMPACT_REG_CAP if prefill["COMPACT"] else kernels.REG_CAP
+    assert prefill["num_warps"] <= kernels.REG_CAP_WARPS and prefill["maxnreg"] == caps["cuda"]
+    assert kernels.constexprs(kernels.MODE_PREFILL, 8192, 512, cuda, aligned=False)["maxnreg"] == \
+        kernels.REG_CAP["cuda"]
     assert "maxnreg" not in kernels.constexprs(kernels.MODE_DECODE_1D, 16384, 512, cuda)      # 8 warps
     assert "maxnreg" not in kernels.constexprs(kernels.MODE_PREFILL, 4 * kernels.TILE_MAX, 512, cuda)   # streamed
     assert "maxnreg" not in kernels.constexprs(kernels.MODE_PREFILL, 8192, 512, hip)
+
+
+def test_inline_compaction_rule(monkeypatch):
+    """COMPACT (kernels/compact.py) only on NVIDIA, on a verified Triton version, for aligned vector rows, and for
+    tiles of 1, 2, 4, 8 or 16 rows of 128 per warp (every tile size and its halvings); 128 registers with it."""
+    from torch_dsv4_ops import platform
+    from torch_dsv4_ops.kernels import compact
+
+    assert compact.compaction_available("3.6.0") and not compact.compaction_available("3.9.0")
+    cuda = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda")
+    hip = next(t for t in platform.MATRIX_TARGETS if t.backend == "hip")
+    monkeypatch.setattr(kernels, "compaction_available", lambda: True)
+    for n_cols in (300, 2048, 8192, 16384, 4 * kernels.TILE_MAX):
+        meta = kernels.constexprs(kernels.MODE_PREFILL, n_cols, 16, cuda)
+        assert meta["COMPACT"] and kernels.compact_rows(meta["BLOCK"], meta["WARPS"], meta["HALVINGS"]), n_cols
+    assert not kernels.constexprs(kernels.MODE_PREFILL, 128, 16, cuda)["COMPACT"]     # its quarter: 32 columns
+    prefill = kernels.constexprs(kernels.MODE_PREFILL, 8192, 512, cuda)
+    assert prefill["COMPACT"] and prefill["maxnreg"] == kernels.COMPACT_REG_CAP["cuda"] == 128
+    assert not kernels.constexprs(kernels.MODE_PREFILL, 8192, 512, cuda, aligned=False)["COMPACT"]
+    assert not kernels.constexprs(kernels.MODE_PREFILL, 8192, 512, hip)["COMPACT"]
+    assert kernels.compact_rows(8192, 4, 3) and not kernels.compact_rows(8192, 4, 5)   # 256 columns on 4 warps
+    assert not kernels.compact_rows(64 * 128, 1, 0)                      # 64 rows per warp
+    monkeypatch.setattr(kernels, "compaction_available", lambda: False)
+    assert not kernels.constexprs(kernels.MODE_PREFILL, 8192, 512, cuda)["COMPACT"]
+
+
+def test_plan_by_logits_alignment():
+    """A COMPACT plan runs its aligned launch for logits at a 16-byte aligned address and its other launch
+    otherwise (Triton compiles the two apart)."""
+    calls = []
+    plan = ops._ByAlignment(lambda *t: calls.append(("aligned", t)), lambda *t: calls.append(("other", t)))
+    storage = torch.zeros(20)
+    plan(storage[:16].view(2, 8), 1, 2, 3)
+    plan(storage[1:17].view(2, 8), 1, 2, 3)
+    plan(storage[4:20].view(2, 8), 1, 2, 3)
+    assert [c[0] for c in calls] == ["aligned", "other", "aligned"] and calls[0][1][1:] == (1, 2, 3)
+
+
+def test_compaction_asm_operands():
+    """The PTX block of every rows-per-warp: one output and 5 inputs per packed value in its constraints; it names
+    every output, every value and the first of each other input; a 5-step shuffle scan per 4 rows; a store per
+    value."""
+    from torch_dsv4_ops.kernels import compact
+
+    for rows in (1, 2, 4, 8, 16):
+        asm, constraints = compact.compaction_asm(rows)
+        p = 4 * rows
+        assert constraints.split(",") == ["=r"] * p + ["l"] * p + ["r"] * 4 * p
+        named = {int(k) for k in re.findall(r"\$(\d+)", asm)}
+        assert named == set(range(p)) | {p} | set(range(2 * p, 3 * p)) | {3 * p, 4 * p, 5 * p}
+        assert asm.count("shfl.sync.up.b32") == 5 * ((rows + 3) // 4)
+        assert asm.count("st.global.b16") == p
 
 
 def test_tile_halvings_rule():
@@ -536,6 +592,40 @@ def test_benchmark_sized_exact():
         for i, (lo, hi) in enumerate(ranges):
             assert expected[first + i, :topk].tolist() == oracle_row(logits[first + i].double().tolist(), lo, hi,
                                                                      topk)
+
+
+COMPACT_SHAPES = [(384, 16), (512, 40), (1024, 40), (2048, 100), (4096, 512), (8192, 512), (16384, 512),
+                  (8192, 2048), (70000, 1024)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_cols,topk", COMPACT_SHAPES, ids=[f"{n}-k{k}" for n, k in COMPACT_SHAPES])
+def test_inline_compaction_shapes(n_cols, topk):
+    """Every rows-per-warp (1 to 16) and warp count (1 to 8, and the streamed tiles' 32) of the inline-PTX
+    compaction: the search rows and planted rows over whole windows, windows of the tile's half and quarter and
+    windows starting past column 0, against the reference; then the same logits at an address 4 bytes past a
+    16-byte boundary (the plan's other launch, without COMPACT) give the same indices."""
+    from torch_dsv4_ops import platform
+
+    rows = torch.cat([search_rows(n_cols, topk, seed=n_cols) if n_cols <= 16384 else planted_logits(9, n_cols, 3),
+                      planted_logits(7, n_cols, seed=n_cols + 1)])
+    quarter = min(n_cols, kernels.TILE_MAX) // 4
+    spans = [(0, n_cols), (0, n_cols - 1), (5, n_cols), (0, 2 * quarter), (1, 2 * quarter + 1), (0, quarter),
+             (16, quarter + 16), (n_cols - topk - 1, n_cols)]
+    spans = [spans[r % len(spans)] for r in range(rows.shape[0])]
+    ks = torch.tensor([a for a, _ in spans], dtype=torch.int32)
+    ke = torch.tensor([b for _, b in spans], dtype=torch.int32)
+    expected = torch.full((rows.shape[0], topk + 1), SENTINEL, dtype=torch.int32)
+    reference.top_k_per_row_prefill(rows, ks, ke, expected, rows.shape[0], n_cols, 1, topk)
+    meta = kernels.constexprs(kernels.MODE_PREFILL, n_cols, topk, platform.target_for(torch.device("cuda")))
+    assert meta["COMPACT"] == kernels.compaction_available()
+    storage = torch.empty(rows.numel() + 4, device="cuda")
+    for offset in (0, 1):                          # 16-byte aligned rows, then 4 bytes past
+        logits = storage[offset:offset + rows.numel()].view(rows.shape)
+        logits.copy_(rows)
+        out = torch.full_like(expected, SENTINEL, device="cuda")
+        top_k_per_row_prefill(logits, ks.cuda(), ke.cuda(), out, rows.shape[0], n_cols, 1, topk)
+        assert_bitwise_equal(out.cpu(), expected, f"{n_cols} columns, top-k {topk}, offset {offset}")
 
 
 @pytest.mark.gpu

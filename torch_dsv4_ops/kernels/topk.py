@@ -18,7 +18,8 @@
     Those keys' positions go, in column order, to the row's own output slots (int16, two per slot) and come back
     with their keys as a short vector, on which `_short_search` finds T (interpolated bounds, and snaps to the
     keys present) and the last sweep runs. Ties that keep more than LIMIT keys >= T send the whole tile through
-    the last sweep.
+    the last sweep. COMPACT (NVIDIA, Triton 3.6, rows of aligned vectors): the tile is laid out warp-major and the
+    positions are stored by one block of inline PTX per thread (`compact.compact_warp_rows`).
   - A longer window (`_streamed`, compiled only when N > BLOCK: STREAM) runs a radix select over BLOCK-column
     tiles read once per pass, each pass a tl.histogram of the candidates whose higher digits match so far
     (`radix_bits()`: 6 passes of 7 + 5 x 5 bits), carrying the histogram and the prefix counts across tiles.
@@ -27,7 +28,7 @@
 
 Runtime: N (logits.shape[1]), every stride, next_n and B (seq_lens rows); constexpr: the mode (prefill,
 decode with 2-D or 1-D seq_lens), TOPK, the tile sizes, HALVINGS, STREAM, ASM (the stores to computed positions as
-inline PTX, `kernels/scatter.py`) and PDL (SPEC §4 h). No load or store reaches
+inline PTX, `kernels/scatter.py`), WARPS, COMPACT and PDL (SPEC §4 h). No load or store reaches
 outside the row's [0, N) columns or the tensors' rows (§4 b); offsets inside a row are int32 (the host checks
 that (N - 1) * stride1 fits), row bases int64.
 """
@@ -42,6 +43,7 @@ import triton.language as tl
 from .. import layout, platform
 from ._launch import FastLauncher, launch_options, triton_minor  # noqa: F401  (ops use launch_options)
 from .early import pdl_open, pdl_wait
+from .compact import LANE_COLUMNS, MAX_ROWS, compact_warp_rows, compaction_available, warp_major_offsets
 from .scatter import scatter, use_asm
 
 MODE_PREFILL, MODE_DECODE_2D, MODE_DECODE_1D = 0, 1, 2
@@ -59,8 +61,12 @@ MAX_WARPS = {"cuda": 32, "hip": 8, "interpreter": 8}
 # registers). H100, prefill 4096 x 8192 causal / full: 83.3 / 97.3 us at 88, 83.3 / 99.0 at 84, 80.1-80.6 /
 # 95.4-95.9 at 92, 83.3 / 100.7 at 96 (NOTES.md "Top-k on float values").
 REG_CAP = {"cuda": 92}
+# With COMPACT: 4 programs per SM at 128 registers; full / causal prefill rows 85.8 / 82.0 us against 100.1 / 88.8
+# at 92 (spills) and 88.7 / 93.1 at 104 (NOTES.md "Top-k: the compaction in PTX")
+COMPACT_REG_CAP = {"cuda": 128}
 REG_CAP_WARPS = 4
 MAX_HALVINGS = 2          # a window of at most a half / a quarter of the tile runs on a tile of that size
+INLINE_COMPACTION = True  # COMPACT where the target and Triton version allow it (`compact.py`; 0 for an A/B)
 KEY_SIGN = tl.constexpr(0x80000000)
 NEG_INF_KEY = tl.constexpr(0x007FFFFF)   # the key of -inf
 # tl.histogram's mask argument (recent Triton); without it, lanes outside the candidates count in bin 0 and are
@@ -170,17 +176,21 @@ def _drop(d, span):
 
 
 @triton.jit
-def _narrow(x, top, n, TOPK: tl.constexpr, LIMIT: tl.constexpr):
+def _narrow(x, top, n, TOPK: tl.constexpr, LIMIT: tl.constexpr, WARPS: tl.constexpr, COMPACT: tl.constexpr):
     """Narrow an interval [lo, top] of uint32 keys holding T, the TOPK-th largest key of the n > TOPK live lanes of
     a register tile of float32 values x (NaN outside the window), by counting over the whole tile, until at most
     LIMIT keys are >= lo > 1 or lo == top. The interval starts at [1, top] (top: the largest key). A window of at
     most LIMIT keys counts once at key 2 (does it hold TOPK keys other than NaN?). Otherwise thresholds step down
     from the top by one binade (2**23 keys), then 2, 4, ... binades, until one holds TOPK keys; from there on each
     count aims, by interpolation, at (TOPK + LIMIT) / 2 keys, with a halving after any count that did not halve
-    the interval. Returns (lo, top, #(key >= lo), #(key > top)): uint32, uint32, int32, int32 scalars."""
+    the interval. Returns (lo, top, #(key >= lo), #(key > top)): uint32, uint32, int32, int32 scalars, and with
+    COMPACT (x loaded through `warp_major_offsets`) #(key >= lo) of each warp's columns, [WARPS] int32, valid once
+    lo > 1."""
     AIM: tl.constexpr = (TOPK + LIMIT) // 2
+    ROWS: tl.constexpr = x.shape[0] // (WARPS * LANE_COLUMNS)
     lo = top * 0 + 1                           # key 0 is never a candidate, so T >= 1
     c_lo = n                                   # #(key >= lo): every live lane
+    c_lo_w = tl.zeros([WARPS], tl.int32)
     c_hi = n * 0                               # #(key > top)
     step = top * 0 + (1 << 23)                 # downward from the top, one binade, then doubling
     halve = n < 0
@@ -195,15 +205,22 @@ def _narrow(x, top, n, TOPK: tl.constexpr, LIMIT: tl.constexpr):
         else:
             mid = top + 1 - _drop((AIM - c_hi).to(tl.float32) / (c_lo - c_hi).to(tl.float32) * span.to(tl.float32),
                                   span)
-        c = tl.sum((x >= _key_floor(mid)).to(tl.int32), 0)
+        counted = (x >= _key_floor(mid)).to(tl.int32)
+        if COMPACT:
+            c_w = tl.sum(tl.sum(tl.reshape(counted, [WARPS, ROWS, LANE_COLUMNS]), 1), 1)
+            c = tl.sum(c_w, 0)
+        else:
+            c_w = c_lo_w
+            c = tl.sum(counted, 0)
         up = c >= TOPK
         lo = tl.where(up, mid, lo)
         c_lo = tl.where(up, c, c_lo)
+        c_lo_w = tl.where(up, c_w, c_lo_w)
         top = tl.where(up, top, mid - 1)
         c_hi = tl.where(up, c_hi, c)
         halve = (step == 0) & ~halve & (top - lo + 1 > span // 2)
         step = tl.where(up, 0, tl.where(step < (1 << 31), step * 2, step))    # interpolation once one holds TOPK
-    return lo, top, c_lo, c_hi
+    return lo, top, c_lo, c_hi, c_lo_w
 
 
 @triton.jit
@@ -267,27 +284,46 @@ def _half_slots(out_row, p, o_s1):
 
 
 @triton.jit
-def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr,
-              ASM: tl.constexpr):
-    """A window of at most len(offs) columns (positions j = offs, candidates j - start in [0, n)), values in
-    registers as float32 (NaN outside the window; a threshold key t becomes the value `_key_floor(t)`).
+def _one_tile(row, TILE: tl.constexpr, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr,
+              ASM: tl.constexpr, WARPS: tl.constexpr, COMPACT: tl.constexpr):
+    """A window of at most TILE columns (positions j < TILE, candidates j - start in [0, n)), values in registers
+    as float32 (NaN outside the window; a threshold key t becomes the value `_key_floor(t)`).
 
     1. `_narrow` until at most LIMIT = min(2 * TOPK - 1, CAP) keys are >= lo.
     2. Their positions, in column order, go to the row's own output as int16 (2 * TOPK slots; a barrier orders
        the stores before the loads), and come back as a CAP-lane vector with their keys (read again from the row).
+       COMPACT: the tile is loaded through `warp_major_offsets` (each warp holds consecutive columns) and
+       `compact_warp_rows` stores them (inline PTX); otherwise a `tl.cumsum` of the flags gives each its slot.
     3. `_short_search` finds T on that vector, and the selection (`_select_store`) scans it, not the whole tile.
     When ties leave more than LIMIT keys >= T, T = lo = top and the whole tile is scanned."""
     LIMIT: tl.constexpr = 2 * TOPK - 1 if 2 * TOPK - 1 < CAP else CAP
-    if (start == 0) & (n == offs.shape[0]):
-        x = tl.load(row + offs * s1).to(tl.float32)            # the whole tile: no masks
+    if COMPACT:
+        ROWS: tl.constexpr = TILE // (WARPS * LANE_COLUMNS)
+        offs3 = warp_major_offsets(ROWS, WARPS)
+        if (start == 0) & (n == TILE):
+            x3 = tl.load(row + offs3 * s1).to(tl.float32)          # the whole tile: no masks
+        else:
+            x3 = _load_values(row, offs3, start, n, s1, cols)
+        x = tl.reshape(x3, [TILE])
+        offs = tl.reshape(offs3, [TILE])
     else:
-        x = _load_values(row, offs, start, n, s1, cols)
+        offs = tl.arange(0, TILE)
+        if (start == 0) & (n == TILE):
+            x = tl.load(row + offs * s1).to(tl.float32)            # the whole tile: no masks
+        else:
+            x = _load_values(row, offs, start, n, s1, cols)
     top = _key_of(tl.max(x, 0))                # max ignores NaN lanes (maxnum); all NaN: key 1
-    lo, top, c_lo, c_hi = _narrow(x, top, n, TOPK, LIMIT)
+    lo, top, c_lo, c_hi, c_lo_w = _narrow(x, top, n, TOPK, LIMIT, WARPS, COMPACT)
     if (c_lo <= LIMIT) & (lo > 1):
-        flag = (x >= _key_floor(lo)).to(tl.int32)
-        pos = tl.cumsum(flag, 0) - flag
-        scatter(_half_slots(out_row, pos, o_s1), (offs - start).to(tl.int16), flag != 0, ASM)
+        if COMPACT:
+            tl.static_assert(o_s1 == 1, "the compaction's int16 slots need a contiguous output row")
+            before = tl.cumsum(c_lo_w, 0) - c_lo_w
+            base = tl.reshape(tl.broadcast_to(before[:, None, None], [WARPS, ROWS, LANE_COLUMNS]), [TILE])
+            compact_warp_rows(x, _key_floor(lo), offs - start, base, out_row.to(tl.pointer_type(tl.int16)), ROWS)
+        else:
+            flag = (x >= _key_floor(lo)).to(tl.int32)
+            pos = tl.cumsum(flag, 0) - flag
+            scatter(_half_slots(out_row, pos, o_s1), (offs - start).to(tl.int16), flag != 0, ASM)
         tl.debug_barrier()
         p = tl.arange(0, CAP)
         inside = p < c_lo
@@ -297,6 +333,11 @@ def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, 
         thr, above = _short_search(key, lo, top, c_lo, c_hi, TOPK, LIMIT)
         _select_store(key, col, inside, thr, TOPK - above, 0, 0, out_row, o_s1, TOPK, ASM)
     else:
+        if COMPACT:
+            # the row read again in Triton's own layout: the scan of a tile in the warp-major one goes through
+            # shared memory and holds the whole tile in registers twice
+            offs = tl.arange(0, TILE)
+            x = _load_values(row, offs, start, n, s1, cols)
         live = _live(offs, start, n)           # keys from x: reading the row again would keep its addresses
         _select_store(tl.where(live, _key_of(x), 0), offs - start, live, lo, TOPK - c_hi, 0, 0, out_row, o_s1, TOPK,
                       ASM)
@@ -304,23 +345,23 @@ def _one_tile(row, offs, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, 
 
 @triton.jit
 def _fitted_tile(row, start, n, s1, cols, out_row, o_s1, TOPK: tl.constexpr, CAP: tl.constexpr, ASM: tl.constexpr,
-                 BLOCK: tl.constexpr, HALVINGS: tl.constexpr):
+                 BLOCK: tl.constexpr, HALVINGS: tl.constexpr, WARPS: tl.constexpr, COMPACT: tl.constexpr):
     """`_one_tile` over the least of BLOCK, BLOCK / 2, ..., BLOCK / 2**HALVINGS (HALVINGS <= 2) columns that holds
     the window [0, start + n) (start + n <= BLOCK): a short row costs what its length needs."""
     if HALVINGS >= 2:
         if start + n <= BLOCK // 4:
-            _one_tile(row, tl.arange(0, BLOCK // 4), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+            _one_tile(row, BLOCK // 4, start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM, WARPS, COMPACT)
         elif start + n <= BLOCK // 2:
-            _one_tile(row, tl.arange(0, BLOCK // 2), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+            _one_tile(row, BLOCK // 2, start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM, WARPS, COMPACT)
         else:
-            _one_tile(row, tl.arange(0, BLOCK), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+            _one_tile(row, BLOCK, start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM, WARPS, COMPACT)
     elif HALVINGS == 1:
         if start + n <= BLOCK // 2:
-            _one_tile(row, tl.arange(0, BLOCK // 2), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+            _one_tile(row, BLOCK // 2, start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM, WARPS, COMPACT)
         else:
-            _one_tile(row, tl.arange(0, BLOCK), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+            _one_tile(row, BLOCK, start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM, WARPS, COMPACT)
     else:
-        _one_tile(row, tl.arange(0, BLOCK), start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM)
+        _one_tile(row, BLOCK, start, n, s1, cols, out_row, o_s1, TOPK, CAP, ASM, WARPS, COMPACT)
 
 
 @triton.jit
@@ -367,7 +408,7 @@ def topk_per_row_kernel(
     logits_ptr, a_ptr, b_ptr, out_ptr, n_cols, l_s0, l_s1, a_s0, a_s1, b_s0, o_s0, o_s1, next_n, n_seq,
     MODE: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
     RADIX: tl.constexpr, CAP: tl.constexpr, HALVINGS: tl.constexpr, STREAM: tl.constexpr, ASM: tl.constexpr,
-    PDL: tl.constexpr,
+    WARPS: tl.constexpr, COMPACT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Prefill: a = cu_seqlen_ks, b = cu_seqlen_ke. Decode: a = b = seq_lens ([B, next_n] or [B]).
     STREAM: the row is wider than BLOCK, so a window may need the streaming path."""
@@ -405,11 +446,12 @@ def topk_per_row_kernel(
         cols = n_cols - base                   # positions inside the row
         if STREAM:
             if start + n <= BLOCK:
-                _fitted_tile(row, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP, ASM, BLOCK, HALVINGS)
+                _fitted_tile(row, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP, ASM, BLOCK, HALVINGS, WARPS,
+                             COMPACT)
             else:
                 _streamed(row, tl.arange(0, BLOCK), start, n, l_s1, cols, out_row, o_s1, TOPK, BLOCK, RADIX, ASM)
         else:
-            _fitted_tile(row, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP, ASM, BLOCK, HALVINGS)
+            _fitted_tile(row, start, n, l_s1, cols, out_row, o_s1, TOPK, CAP, ASM, BLOCK, HALVINGS, WARPS, COMPACT)
 
 
 LAUNCHER = FastLauncher(topk_per_row_kernel)
@@ -447,15 +489,30 @@ def halvings(block: int, short: int, lanes: int) -> int:
     return h
 
 
-def constexprs(mode: int, n_cols: int, topk: int, target: platform.Target) -> dict:
+def compact_rows(block: int, warps: int, halvings_: int) -> bool:
+    """Whether every tile of the plan (block, block / 2, ... block / 2**halvings_) has 1, 2, 4, 8 or 16 rows of
+    `LANE_COLUMNS` per warp: the shapes `compact_warp_rows` has."""
+    lane_columns = LANE_COLUMNS.value
+    rows = [(block >> h) // (warps * lane_columns) for h in range(halvings_ + 1)]
+    return all(1 <= r <= MAX_ROWS and (block >> h) == r * warps * lane_columns for h, r in enumerate(rows))
+
+
+def constexprs(mode: int, n_cols: int, topk: int, target: platform.Target, aligned: bool = True) -> dict:
+    """The kernel's constexprs and launch options. `aligned`: the logits rows are 16-byte aligned vectors (base
+    pointer and stride0 multiples of 16 bytes and elements, stride1 == 1, N a multiple of 16) and topk_indices'
+    stride1 is 1: the conditions of COMPACT besides the target and Triton version."""
     block = tile_for(n_cols)
     stream = n_cols > block
     warps = num_warps(target, block, stream)
-    cap = REG_CAP.get(target.backend) if not stream and warps <= REG_CAP_WARPS else None
     short = min(2 * triton.next_power_of_2(topk), block)
+    halvings_ = halvings(block, short, warps * target.warp_size)
+    compact = bool(INLINE_COMPACTION and aligned and use_asm(target) and compaction_available()
+                   and target.warp_size == 32 and compact_rows(block, warps, halvings_))
+    caps = COMPACT_REG_CAP if compact else REG_CAP
+    cap = caps.get(target.backend) if not stream and warps <= REG_CAP_WARPS else None
     return dict(MODE=mode, TOPK=topk, BLOCK=block, OUT_BLOCK=min(OUT_BLOCK_MAX, triton.next_power_of_2(topk)),
-                ALIGN=ALIGN, RADIX=radix_bits(), CAP=short, HALVINGS=halvings(block, short, warps * target.warp_size),
-                STREAM=stream, ASM=use_asm(target), PDL=platform.supports_pdl(target), num_warps=warps,
+                ALIGN=ALIGN, RADIX=radix_bits(), CAP=short, HALVINGS=halvings_, STREAM=stream, ASM=use_asm(target),
+                WARPS=warps, COMPACT=compact, PDL=platform.supports_pdl(target), num_warps=warps,
                 **({"maxnreg": cap} if cap else {}))
 
 

@@ -97,15 +97,35 @@ def _sig(name: str, args, logits, num_rows, stride0, stride1) -> tuple:
     return sig
 
 
+class _ByAlignment:
+    """A plan of two launches: `aligned` (COMPACT) for logits at a 16-byte aligned address, `other` otherwise
+    (Triton compiles the two apart, and the compaction's register order needs the aligned one's vector loads)."""
+
+    __slots__ = ("aligned", "other")
+
+    def __init__(self, aligned, other):
+        self.aligned, self.other = aligned, other
+
+    def __call__(self, logits, a, b, topk_indices):
+        (self.aligned if logits.data_ptr() & 15 == 0 else self.other)(logits, a, b, topk_indices)
+
+
 def _bind(mode, logits, a, b, topk_indices, num_rows, stride0, stride1, topk, a_strides, b_s0, next_n, n_seq):
     if num_rows == 0:
         return None
     target = platform.target_for(logits.device)
-    meta = kernels.launch_options(kernels.constexprs(mode, logits.shape[1], topk, target))
-    ints = kernels.runtime_args(logits.shape[1], stride0, stride1, a_strides, b_s0, topk_indices.stride(), next_n,
-                                n_seq)
-    return kernels.LAUNCHER.bind((num_rows,), (logits.dtype, a.dtype, b.dtype, torch.int32), ints, meta,
-                                 logits.device)
+    n_cols = logits.shape[1]
+    ints = kernels.runtime_args(n_cols, stride0, stride1, a_strides, b_s0, topk_indices.stride(), next_n, n_seq)
+
+    def bind(aligned):
+        meta = kernels.launch_options(kernels.constexprs(mode, n_cols, topk, target, aligned=aligned))
+        launch = kernels.LAUNCHER.bind((num_rows,), (logits.dtype, a.dtype, b.dtype, torch.int32), ints, meta,
+                                       logits.device)
+        return launch, meta.get("COMPACT", False)
+
+    vectors = stride1 == 1 and stride0 % 16 == 0 and n_cols % 16 == 0 and topk_indices.stride(1) == 1
+    launch, compact = bind(vectors)
+    return _ByAlignment(launch, bind(False)[0]) if compact else launch
 
 
 def _prefill_plan(logits, cu_seqlen_ks, cu_seqlen_ke, topk_indices, num_rows, stride0, stride1, topk):
