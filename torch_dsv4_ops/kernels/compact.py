@@ -16,7 +16,7 @@ bits each: a lane's running count of a row is at most 128), one 5-step shuffle s
 from lane 31. About 35 instructions per row of 4 values against about 95.
 
 The register order this relies on (register k of a thread = row k // 4, column 4 * lane + k % 4 of the row) is
-the one Triton 3.6 gives the 3-D load [R, W, 128] of 16-byte aligned rows (verified on the H100 by the GPU tests);
+the one Triton 3.6 gives the 3-D load [W, R, 128] of 16-byte aligned rows (verified on the H100 by the GPU tests);
 `compaction_available` keeps every other case on `tl.cumsum`.
 """
 from __future__ import annotations
