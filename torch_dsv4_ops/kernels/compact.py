@@ -17,7 +17,9 @@ from lane 31. About 35 instructions per row of 4 values against about 95.
 
 The register order this relies on (register k of a thread = row k // 4, column 4 * lane + k % 4 of the row) is
 the one Triton 3.6 gives the 3-D load [W, R, 128] of 16-byte aligned rows (verified on the H100 by the GPU tests);
-`compaction_available` keeps every other case on `tl.cumsum`.
+`compaction_available` keeps every other case on `tl.cumsum`. The guard is not hypothetical: Triton 3.9 orders
+the two dims of equal contiguity the other way (the same load's TTGIR: `warpsPerCTA = [1, 4, 1], order = [2, 1,
+0]`), so there the warps would hold interleaved rows, and a [R, W, 128] load would be the warp-major one.
 """
 from __future__ import annotations
 
