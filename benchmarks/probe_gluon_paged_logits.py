@@ -55,15 +55,14 @@ if gluon is not None:
         return 32 * ((k >> 1) & 3) + 4 * (k >> 4) + 2 * ((k >> 3) & 1) + (k & 1)
 
     @gluon.jit
-    def _tile_loads(cache_ptr, bt_ptr, b, bt_s0, t, t1, page_stride, rows_w, words, keys):
-        """Tile t's codes as int32 words [64, 32] in the A-operand distribution, and its scales [64]; zeros past
-        t1."""
+    def _tile_loads(cache32_ptr, bt_ptr, b, bt_s0, t, t1, page_words, rows_w, words, keys):
+        """Tile t's codes as int32 words [64, 32] in the A-operand distribution, and its scales [64] in the
+        products' row layout; zeros past t1. cache32_ptr: the cache as int32 words (page_words per page)."""
         blk = gl.load(bt_ptr + b * bt_s0 + t, mask=t < t1, other=-1).to(gl.int64)
-        page = cache_ptr + gl.maximum(blk, 0) * page_stride
+        page = cache32_ptr + gl.maximum(blk, 0) * page_words
         ok = blk >= 0
-        wd = gl.load((page + rows_w[:, None] * 128).to(gl.pointer_type(gl.int32)) + words[None, :], mask=ok,
-                     other=0)
-        sc = gl.load((page + 64 * 128 + keys * 4).to(gl.pointer_type(gl.float32)), mask=ok, other=0.0)
+        wd = gl.load(page + rows_w[:, None] * 32 + words[None, :], mask=ok, other=0)
+        sc = gl.load((page + 64 * 32 + keys).to(gl.pointer_type(gl.float32)), mask=ok, other=0.0)
         return wd, sc
 
     @gluon.jit
@@ -76,15 +75,16 @@ if gluon is not None:
 
     @gluon.jit
     def _query_logits(acc, w, sc, t, length, out_ptr, row, o_s0, max_len):
-        """One query's logits of a tile from its [64 keys, 64 heads] product."""
+        """One query's logits of a tile from its [64 keys, 64 heads] product (sc: the keys' scales, in the layout
+        of the head sum)."""
         lg = gl.sum(gl.maximum(acc, 0.0) * w[None, :], axis=1)
         LG: gl.constexpr = lg.type.layout
         kg = t * 64 + gl.arange(0, 64, layout=LG)
-        val = gl.where(kg < length, lg * gl.convert_layout(sc, LG), float("-inf"))
+        val = gl.where(kg < length, lg * sc, float("-inf"))
         gl.store(out_ptr + row.to(gl.int64) * o_s0 + kg, val, mask=kg < max_len)
 
     @gluon.jit
-    def paged_logits_probe_kernel(q_ptr, cache_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr, max_len, page_stride, bt_s0,
+    def paged_logits_probe_kernel(q_ptr, cache32_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr, max_len, page_words, bt_s0,
                                   o_s0, tiles_per_split):
         b = gl.program_id(0)
         split = gl.program_id(1)
@@ -100,7 +100,6 @@ if gluon is not None:
                                                        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 32])
         Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         B_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float16)
-        S_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
 
         rows = gl.arange(0, 128, layout=gl.SliceLayout(1, Q_L))                       # query x head
         dims = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
@@ -120,11 +119,11 @@ if gluon is not None:
         t1 = gl.minimum(t0 + tiles_per_split, gl.cdiv(gl.maximum(len0, len1), 64))
         rows_w = gl.arange(0, 64, layout=gl.SliceLayout(1, W_L))
         words = gl.arange(0, 32, layout=gl.SliceLayout(0, W_L))
-        keys = gl.arange(0, 64, layout=S_L)
-        wd0, sc0 = _tile_loads(cache_ptr, bt_ptr, b, bt_s0, t0, t1, page_stride, rows_w, words, keys)
-        wd1, sc1 = _tile_loads(cache_ptr, bt_ptr, b, bt_s0, t0 + 1, t1, page_stride, rows_w, words, keys)
+        keys = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        wd0, sc0 = _tile_loads(cache32_ptr, bt_ptr, b, bt_s0, t0, t1, page_words, rows_w, words, keys)
+        wd1, sc1 = _tile_loads(cache32_ptr, bt_ptr, b, bt_s0, t0 + 1, t1, page_words, rows_w, words, keys)
         for t in range(t0, t1):
-            wd2, sc2 = _tile_loads(cache_ptr, bt_ptr, b, bt_s0, t + 2, t1, page_stride, rows_w, words, keys)
+            wd2, sc2 = _tile_loads(cache32_ptr, bt_ptr, b, bt_s0, t + 2, t1, page_words, rows_w, words, keys)
             a = _operand(wd0, A_WORDS, A_L)
             acc = warpgroup_mma(a, b0, gl.zeros([64, 64], gl.float32, MMA), use_acc=False)
             _query_logits(acc, w0, sc0, t, len0, out_ptr, b * 2, o_s0, max_len)
@@ -180,8 +179,8 @@ def main(argv=None) -> int:
 
     def run_probe(j: int, per: int) -> None:
         paged_logits_probe_kernel[(s.batch, triton.cdiv(width, per))](
-            qs[j].view(torch.uint8), raw, ws[j], lens, tables[j], out, s.length, bench.PAGE, tables[j].stride(0),
-            out.stride(0), per, num_warps=4)
+            qs[j].view(torch.uint8), raw.view(torch.int32), ws[j], lens, tables[j], out, s.length, bench.PAGE // 4,
+            tables[j].stride(0), out.stride(0), per, num_warps=4)
 
     run_op(0)
     for per in args.tiles_per_split:
