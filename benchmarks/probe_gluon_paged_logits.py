@@ -10,9 +10,10 @@ every table entry valid) and checks itself against `fp8_fp4_paged_mqa_logits` on
   128 dims are taken in the order pi(k) = 32 m + 4 c + 2 h + e for k = 16 c + 8 h + 2 m + e (each lane's 32 bytes
   of a key then lie together: two 16-byte loads), decoded by `cvt.rn.f16x2.e4m3x2`, and Q's shared-memory operand
   is stored in the same order;
-* one product per query (N = 64: 32 accumulator and 16 weight registers a thread), 166 registers, 3 programs per
-  SM, the loads two tiles ahead;
-* tiles per split chosen so that the grid is about one wave of 3 programs per SM.
+* one product per query (N = 64: 32 accumulator and 16 weight registers a thread), the second query's product
+  issued asynchronously before the first query's head sums, the loads one tile ahead (the first tile's before
+  the queries'), 128 registers: 4 programs per SM;
+* 32 tiles per split: 8 splits x 64 requests, about one wave of 4 programs per SM.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from . import bench_mqa_logits as bench, harness
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
 except ImportError:        # a Triton without Gluon: main() says so
     gluon = None
 
@@ -98,12 +100,23 @@ if gluon is not None:
         W_L: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
                                                        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
                                                        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 32])
-        Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        Q_L: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
         B_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float16)
+
+        len0 = gl.minimum(gl.maximum(gl.load(ctx_ptr + b * 2), 0), max_len)
+        len1 = gl.minimum(gl.maximum(gl.load(ctx_ptr + b * 2 + 1), 0), max_len)
+        t0 = split * tiles_per_split
+        t1 = gl.minimum(t0 + tiles_per_split, gl.cdiv(gl.maximum(len0, len1), 64))
+        rows_w = gl.arange(0, 64, layout=gl.SliceLayout(1, W_L))
+        words = gl.arange(0, 32, layout=gl.SliceLayout(0, W_L))
+        keys = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        # the first tile's loads go out before the queries'
+        wd0, sc0 = _tile_loads(cache32_ptr, bt_ptr, b, bt_s0, t0, t1, page_words, rows_w, words, keys)
 
         rows = gl.arange(0, 128, layout=gl.SliceLayout(1, Q_L))                       # query x head
         dims = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
-        q_codes = gl.load(q_ptr + b.to(gl.int64) * 16384 + rows[:, None] * 128 + _pi(dims)[None, :])
+        q_codes = gl.load(q_ptr + b.to(gl.int64) * 16384 + rows[:, None] * 128 + dims[None, :])
+        q_codes = gl.reshape(gl.permute(gl.reshape(q_codes, [128, 4, 8, 2, 2]), (0, 2, 3, 1, 4)), [128, 128])
         q_smem = gl.allocate_shared_memory(gl.float16, [128, 128], B_SH,
                                            q_codes.to(gl.float8e4nv, bitcast=True).to(gl.float16))
         fence_async_shared()
@@ -113,26 +126,16 @@ if gluon is not None:
         heads = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
         w0 = gl.load(w_ptr + b.to(gl.int64) * 128 + heads)
         w1 = gl.load(w_ptr + b.to(gl.int64) * 128 + 64 + heads)
-        len0 = gl.minimum(gl.maximum(gl.load(ctx_ptr + b * 2), 0), max_len)
-        len1 = gl.minimum(gl.maximum(gl.load(ctx_ptr + b * 2 + 1), 0), max_len)
-        t0 = split * tiles_per_split
-        t1 = gl.minimum(t0 + tiles_per_split, gl.cdiv(gl.maximum(len0, len1), 64))
-        rows_w = gl.arange(0, 64, layout=gl.SliceLayout(1, W_L))
-        words = gl.arange(0, 32, layout=gl.SliceLayout(0, W_L))
-        keys = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-        wd0, sc0 = _tile_loads(cache32_ptr, bt_ptr, b, bt_s0, t0, t1, page_words, rows_w, words, keys)
-        wd1, sc1 = _tile_loads(cache32_ptr, bt_ptr, b, bt_s0, t0 + 1, t1, page_words, rows_w, words, keys)
         for t in range(t0, t1):
-            wd2, sc2 = _tile_loads(cache32_ptr, bt_ptr, b, bt_s0, t + 2, t1, page_words, rows_w, words, keys)
+            wd1, sc1 = _tile_loads(cache32_ptr, bt_ptr, b, bt_s0, t + 1, t1, page_words, rows_w, words, keys)
             a = _operand(wd0, A_WORDS, A_L)
             acc = warpgroup_mma(a, b0, gl.zeros([64, 64], gl.float32, MMA), use_acc=False)
-            _query_logits(acc, w0, sc0, t, len0, out_ptr, b * 2, o_s0, max_len)
-            acc = warpgroup_mma(a, b1, gl.zeros([64, 64], gl.float32, MMA), use_acc=False)
+            tok = warpgroup_mma(a, b1, gl.zeros([64, 64], gl.float32, MMA), use_acc=False, is_async=True)
+            _query_logits(acc, w0, sc0, t, len0, out_ptr, b * 2, o_s0, max_len)        # under query 1's product
+            acc = warpgroup_mma_wait(0, deps=[tok])
             _query_logits(acc, w1, sc0, t, len1, out_ptr, b * 2 + 1, o_s0, max_len)
             wd0 = wd1
             sc0 = sc1
-            wd1 = wd2
-            sc1 = sc2
 
 
 def _workload(device, nsets: int = 4):
@@ -158,7 +161,8 @@ def _workload(device, nsets: int = 4):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tiles-per-split", type=int, nargs="+", default=[42, 64, 16])
+    p.add_argument("--tiles-per-split", type=int, nargs="+", default=[32, 64, 16])
+    p.add_argument("--maxnreg", type=int, default=128, help="registers per thread (128: 4 programs per SM)")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
     if gluon is None or not torch.cuda.is_available() or torch.version.hip \
@@ -180,7 +184,7 @@ def main(argv=None) -> int:
     def run_probe(j: int, per: int) -> None:
         paged_logits_probe_kernel[(s.batch, triton.cdiv(width, per))](
             qs[j].view(torch.uint8), raw.view(torch.int32), ws[j], lens, tables[j], out, s.length, bench.PAGE // 4,
-            tables[j].stride(0), out.stride(0), per, num_warps=4)
+            tables[j].stride(0), out.stride(0), per, num_warps=4, maxnreg=args.maxnreg)
 
     run_op(0)
     for per in args.tiles_per_split:
