@@ -300,6 +300,12 @@ PAGED_CASES = {
     "n2-h32-bs64-groups": dict(batch=2, next_n=2, heads=32, bs=64, nb=6, max_len=200, seed=6),
     # interpreter: 4 groups x 2 head chunks, reloaded per tile; GPU: two resident groups of 2 queries x 64 heads
     "n4-h64-bs64": dict(batch=2, next_n=4, heads=64, bs=64, nb=6, max_len=150, seed=7),
+    # the sm_90 Gluon path's shapes (64 heads, next_n 1 or 2, 64-key pages; kernels/mqa_logits_gluon.py)
+    "n2-h64-bs64-sm90": dict(batch=3, next_n=2, heads=64, bs=64, nb=7, max_len=200, seed=8),
+    "n1-h64-bs64-1d-int64-dirty-sm90": dict(batch=3, next_n=1, heads=64, bs=64, nb=7, lens_2d=False,
+                                            table_dtype=torch.int64, clean=False, max_len=170, seed=9),
+    "n2-h64-bs64-1d-unpadded-sm90": dict(batch=2, next_n=2, heads=64, bs=64, nb=6, kind="unpadded", lens_2d=False,
+                                         max_len=130, seed=10),
 }
 
 
@@ -564,6 +570,25 @@ def test_compile_paged_no_recompile(device):
         check_compile(step, inputs, kernels=[kernels.paged_mqa_logits_kernel])
         for c, args in zip(cases, inputs):
             assert_logits(step(*args), *c.expected(), True, "compile eager")
+
+
+def test_gluon_paged_rule():
+    """The Gluon path (kernels/mqa_logits_gluon.py) is planned on sm_90 with Triton 3.6 only, for 64 heads, next_n 1
+    or 2, 64-key pages, e4m3fn and contiguous q and weights; its grid is about one wave of 4 programs per SM."""
+    from torch_dsv4_ops import platform
+    from torch_dsv4_ops.kernels import mqa_logits_gluon as gk
+
+    sm90 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 90)
+    sm80 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 80)
+    q, w = torch.zeros(2, 2, 64, DIM, dtype=torch.uint8), torch.zeros(4, 64)
+    e4, fnuz = layout.E4M3FN, layout.E4M3FNUZ
+    ok = dict(target=sm90, heads=64, next_n=2, block_size=64, q=q, weights=w, q_fmt=e4, k_fmt=e4, version="3.6.0")
+    assert gk.planned(**ok) == (gk.gluon is not None)
+    for change in (dict(version="3.9.0"), dict(target=sm80), dict(heads=32), dict(next_n=4), dict(block_size=16),
+                   dict(q_fmt=fnuz), dict(k_fmt=fnuz), dict(q=q.transpose(2, 3)), dict(weights=w.t())):
+        assert not gk.planned(**{**ok, **change}), change
+    assert gk.splits(64, 16384, 132) == (8, 32) and gk.splits(1, 16384, 132) == (256, 1)
+    assert gk.splits(200, 100, 132) == (2, 1)
 
 
 def test_head_split_rules():

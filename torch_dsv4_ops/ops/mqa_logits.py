@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from .. import layout, platform
-from ..kernels import mqa_logits as kernels
+from ..kernels import mqa_logits as kernels, mqa_logits_gluon
 from ..kernels.attention import device_multiprocessors
 from ..library import register_op
 from ..reference import mqa_logits as reference
@@ -219,6 +219,16 @@ def _paged_plan(q, kv_cache, weights, context_lens, block_tables, max_model_len,
     if checked.rows == 0 or max_model_len == 0:
         return None
     target = platform.target_for(q.device)
+    if checked.page_stride % 4 == 0 and mqa_logits_gluon.planned(target, checked.heads, checked.next_n,
+                                                                 checked.block_size, q, weights, checked.q_fmt,
+                                                                 checked.k_fmt):
+        sms = device_multiprocessors(q.device)
+
+        def gluon_launch(q, kv_cache, weights, context_lens, block_tables, out):
+            mqa_logits_gluon.launch(q, kv_cache, weights, context_lens, block_tables, out, checked.num_blocks,
+                                    checked.page_stride, max_model_len, clean_logits, sms)
+
+        return gluon_launch
     lens_2d = context_lens.dim() == 2
     meta = kernels.launch_options(kernels.paged_constexprs(target, checked.next_n, checked.heads, checked.block_size,
                                                            checked.q_fmt, checked.k_fmt, lens_2d, clean_logits))
