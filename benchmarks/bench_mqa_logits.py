@@ -123,10 +123,10 @@ def build_prefill(s: Spec, device) -> harness.Workload:
     return harness.Workload(run, nsets, s.bytes_per_call(), check)
 
 
-def build_paged(s: Spec, device) -> harness.Workload:
+def paged_inputs(s: Spec, device, nsets: int) -> tuple:
+    """(cache, tables, qs, ws, lens) of the paged case: every slot of a 64-key-page cache written through the insert
+    op, and nsets sets of tables (a random permutation of the pages), q codes and weights."""
     width = layout.cdiv(s.length, BS)
-    cache_bytes = s.batch * s.length * layout.INDEXER_TOKEN_BYTES
-    nsets = harness.rotation_sets(cache_bytes, device)
     nb = s.batch * width * nsets
     raw = torch.zeros(nb, PAGE, dtype=torch.uint8, device=device)
     cache = raw[:, :layout.indexer_block_bytes(BS)].view(nb, BS, 1, layout.INDEXER_TOKEN_BYTES)
@@ -142,6 +142,12 @@ def build_paged(s: Spec, device) -> harness.Workload:
     qs = [_codes((s.batch, s.next_n, HEADS, DIM), device) for _ in range(nsets)]
     ws = [torch.randn(s.batch * s.next_n, HEADS, device=device) / 8 for _ in range(nsets)]
     lens = (s.length - s.next_n + 1 + torch.arange(s.next_n, device=device, dtype=torch.int32)).repeat(s.batch, 1)
+    return cache, tables, qs, ws, lens
+
+
+def build_paged(s: Spec, device) -> harness.Workload:
+    nsets = harness.rotation_sets(s.batch * s.length * layout.INDEXER_TOKEN_BYTES, device)
+    cache, tables, qs, ws, lens = paged_inputs(s, device, nsets)
     out = torch.empty(s.batch * s.next_n, s.length, device=device)
     sched = ops.get_paged_mqa_logits_metadata(lens, BS, 132)
 

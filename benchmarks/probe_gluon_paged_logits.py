@@ -19,30 +19,8 @@ import triton
 from torch_dsv4_ops import layout, platform
 from torch_dsv4_ops.kernels import mqa_logits_gluon as gluon_kernels
 from torch_dsv4_ops.ops import mqa_logits as ops
-from torch_dsv4_ops.ops.indexer import indexer_k_quant_and_cache
 
 from . import bench_mqa_logits as bench, harness
-
-
-def _workload(device, nsets: int = 4):
-    """The benchmark's paged case (bench_mqa_logits.build_paged's inputs), returned as tensors."""
-    s = bench.Spec("paged", batch=bench.PAGED["B"], next_n=bench.PAGED["next_n"], length=bench.PAGED["L"])
-    width = s.length // bench.BS
-    nb = s.batch * width * nsets
-    raw = torch.zeros(nb, bench.PAGE, dtype=torch.uint8, device=device)
-    cache = raw[:, :layout.indexer_block_bytes(bench.BS)].view(nb, bench.BS, 1, layout.INDEXER_TOKEN_BYTES)
-    for lo in range(0, nb * bench.BS, 1 << 16):
-        hi = min(nb * bench.BS, lo + (1 << 16))
-        k = (torch.randn(hi - lo, bench.DIM, device=device) * 2).to(torch.bfloat16)
-        indexer_k_quant_and_cache(k, cache, torch.arange(lo, hi, device=device), layout.INDEXER_QUANT_BLOCK,
-                                  layout.INDEXER_SCALE_FMT)
-    perm = torch.randperm(nb, device=device)
-    tables = [perm[j * s.batch * width:(j + 1) * s.batch * width].view(s.batch, width).int().contiguous()
-              for j in range(nsets)]
-    qs = [bench._codes((s.batch, s.next_n, bench.HEADS, bench.DIM), device) for _ in range(nsets)]
-    ws = [torch.randn(s.batch * s.next_n, bench.HEADS, device=device) / 8 for _ in range(nsets)]
-    lens = (s.length - s.next_n + 1 + torch.arange(s.next_n, device=device, dtype=torch.int32)).repeat(s.batch, 1)
-    return s, cache, tables, qs, ws, lens.contiguous()
 
 
 def main(argv=None) -> int:
@@ -56,7 +34,8 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     target = platform.target_for(dev)
     torch.manual_seed(0)
-    s, cache, tables, qs, ws, lens = _workload(dev)
+    s = bench.Spec("paged", batch=bench.PAGED["B"], next_n=bench.PAGED["next_n"], length=bench.PAGED["L"])
+    cache, tables, qs, ws, lens = bench.paged_inputs(s, dev, nsets=4)
     if not gluon_kernels.planned(target, bench.HEADS, s.next_n, bench.BS, qs[0], ws[0], layout.E4M3FN,
                                  layout.E4M3FN):
         print("probe_gluon_paged_logits: the Gluon path is not planned here (needs sm_90 and Triton "
@@ -79,7 +58,7 @@ def main(argv=None) -> int:
     def run_gluon(j: int, per: int) -> None:
         gluon_kernels.paged_mqa_logits_gluon_kernel[(s.batch, triton.cdiv(width, per))](
             qs[j].view(torch.uint8), gluon_kernels._Words(cache), ws[j], lens, tables[j], out, s.length, nb,
-            bench.PAGE // 4, width, lens.stride(0), lens.stride(1), tables[j].stride(0), tables[j].stride(1),
+            cache.stride(0) // 4, width, lens.stride(0), lens.stride(1), tables[j].stride(0), tables[j].stride(1),
             out.stride(0), per, NEXT_N=s.next_n, LENS_2D=True, CLEAN=True, num_warps=4,
             maxnreg=gluon_kernels.MAXNREG)
 
@@ -93,9 +72,7 @@ def main(argv=None) -> int:
         same_inf = bool((finite == out.isfinite()).all())
         print(f"{per} tiles per split: largest difference from the Triton kernel {err:.2g} of the row's max "
               f"|logit|; -inf where its: {same_inf}")
-    read_us = harness._time_read(dev)
-    harness.free_memory(dev)
-    read_gbps = harness.READ_BYTES / read_us / 1e3
+    read_gbps = harness.read_matmul_ceilings(dev)["read_ceiling"]["gbps"]
     print(f"read ceiling {read_gbps:.1f} GB/s (torch.sum over {harness.READ_BYTES >> 30} GiB)")
     for r in range(args.rounds):
         cases = [("triton", run_triton)] + [(f"gluon/{per}", lambda j, per=per: run_gluon(j, per))

@@ -193,16 +193,21 @@ class _Words:
         return self.address
 
 
-def launch(q, kv_cache, weights, context_lens, block_tables, out, num_blocks: int, page_stride: int, max_len: int,
-           clean: bool, multiprocessor_count: int) -> None:
-    """Run the Gluon kernel (Triton's launch path) for a call `planned` accepted (page_stride: bytes, a multiple
-    of 4; the cache 4-byte aligned)."""
+def bind(q, context_lens, block_tables, out, num_blocks: int, page_stride: int, max_len: int, clean: bool,
+         multiprocessor_count: int):
+    """The launch of a call `planned` accepted, with its grid, ints and constexprs worked out once (they follow from
+    the call's signature): a callable of (q, kv_cache, weights, context_lens, block_tables, out). page_stride:
+    bytes, a multiple of 4; the cache 4-byte aligned. Launched through Triton's own path."""
     batch, next_n = q.shape[0], q.shape[1]
     n_splits, per = splits(batch, max_len, multiprocessor_count)
     lens_2d = context_lens.dim() == 2
     c_s0, c_s1 = context_lens.stride() if lens_2d else (context_lens.stride(0), 0)
-    paged_mqa_logits_gluon_kernel[(batch, n_splits)](
-        q.view(torch.uint8), _Words(kv_cache), weights, context_lens,
-        block_tables, out, max_len, num_blocks, page_stride // 4, block_tables.shape[1], c_s0, c_s1,
-        block_tables.stride(0), block_tables.stride(1), out.stride(0), per, NEXT_N=next_n, LENS_2D=lens_2d,
-        CLEAN=clean, num_warps=4, maxnreg=MAXNREG)
+    ints = (max_len, num_blocks, page_stride // 4, block_tables.shape[1], c_s0, c_s1, block_tables.stride(0),
+            block_tables.stride(1), out.stride(0), per)
+    kernel = paged_mqa_logits_gluon_kernel[(batch, n_splits)]
+    meta = dict(NEXT_N=next_n, LENS_2D=lens_2d, CLEAN=clean, num_warps=4, maxnreg=MAXNREG)
+
+    def launch(q, kv_cache, weights, context_lens, block_tables, out):
+        kernel(q.view(torch.uint8), _Words(kv_cache), weights, context_lens, block_tables, out, *ints, **meta)
+
+    return launch

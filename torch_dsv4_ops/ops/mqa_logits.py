@@ -222,13 +222,8 @@ def _paged_plan(q, kv_cache, weights, context_lens, block_tables, max_model_len,
     if checked.page_stride % 4 == 0 and mqa_logits_gluon.planned(target, checked.heads, checked.next_n,
                                                                  checked.block_size, q, weights, checked.q_fmt,
                                                                  checked.k_fmt):
-        sms = device_multiprocessors(q.device)
-
-        def gluon_launch(q, kv_cache, weights, context_lens, block_tables, out):
-            mqa_logits_gluon.launch(q, kv_cache, weights, context_lens, block_tables, out, checked.num_blocks,
-                                    checked.page_stride, max_model_len, clean_logits, sms)
-
-        return gluon_launch
+        return mqa_logits_gluon.bind(q, context_lens, block_tables, out, checked.num_blocks, checked.page_stride,
+                                     max_model_len, clean_logits, device_multiprocessors(q.device))
     lens_2d = context_lens.dim() == 2
     meta = kernels.launch_options(kernels.paged_constexprs(target, checked.next_n, checked.heads, checked.block_size,
                                                            checked.q_fmt, checked.k_fmt, lens_2d, clean_logits))
