@@ -176,6 +176,12 @@ PREFILL_CASES = {
     "h4-d32-fnuz-uint8": dict(m=8, n=40, heads=4, dim=32, ranges="hostile", seed=6, q_fnuz=True, k_fnuz=True),
     "h3-d64-mixed-fnuz-q": dict(m=7, n=30, heads=3, dim=64, ranges="causal", seed=7, q_fnuz=True, q_dtype=F8Z),
     "h96-d32-chunked-heads": dict(m=5, n=20, heads=96, dim=32, ranges="hostile", seed=8),
+    # the sm_90 Gluon path's shapes (64 heads, D 128, e4m3fn; kernels/mqa_logits_gluon.py): M not a multiple of its
+    # 4 queries, N not of its 64 keys, padded rows (strided q heads, k rows 144 bytes apart), hostile ranges
+    "h64-d128-hostile-dirty-padded-sm90": dict(m=11, n=150, heads=64, dim=128, ranges="hostile", seed=9,
+                                               clean=False, pad=16),
+    "h64-d128-full-float8-scale2d-sm90": dict(m=6, n=129, heads=64, dim=128, ranges="full", seed=10, q_dtype=F8,
+                                              k_dtype=F8, scale_2d=True),
 }
 
 
@@ -225,6 +231,22 @@ def test_prefill_float8_bitwise_and_inputs_untouched(device, impl):
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     assert all(torch.equal(x.view(torch.uint8) if x.dtype == F8 else x, y.view(torch.uint8) if y.dtype == F8 else y)
                for x, y in zip(f8, snapshot) if isinstance(x, torch.Tensor))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefill_unaligned_k(device, impl):
+    """k at an address that is not a multiple of 4 bytes (the sm_90 path reads k as int32 words: such a call takes
+    the Triton kernel), then the same call at an aligned address: both equal the oracle."""
+    case = PrefillCase(7, 90, 64, 128, "causal", seed=13)
+    expected, defined = case.expected()
+    args = list(case.args(device))
+    storage = torch.zeros(case.k8.numel() + 4, dtype=torch.uint8, device=device)
+    for offset in (1, 4):
+        k = storage[offset:offset + case.k8.numel()].view(case.k8.shape)
+        k.copy_(args[1])
+        with implementation(impl, device):
+            got = ops.fp8_fp4_mqa_logits((args[0], None), (k, args[2]), *args[3:])
+        assert_logits(got, expected, defined, True, f"k at offset {offset}")
 
 
 # --- paged decode -----------------------------------------------------------------------------------------------------
@@ -589,6 +611,42 @@ def test_gluon_paged_rule():
         assert not gk.planned(**{**ok, **change}), change
     assert gk.splits(64, 16384, 132) == (8, 32) and gk.splits(1, 16384, 132) == (256, 1)
     assert gk.splits(200, 100, 132) == (2, 1)
+
+
+def test_gluon_prefill_rule():
+    """The prefill's Gluon kernel is planned on sm_90 with Triton 3.6 only, for 64 heads, D 128, e4m3fn and k rows a
+    multiple of 4 bytes apart."""
+    from torch_dsv4_ops import platform
+    from torch_dsv4_ops.kernels import mqa_logits_gluon as gk
+
+    sm90 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 90)
+    sm80 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 80)
+    e4, fnuz = layout.E4M3FN, layout.E4M3FNUZ
+    ok = dict(target=sm90, heads=64, dim=128, k_row_bytes=144, q_fmt=e4, k_fmt=e4, version="3.6.1")
+    assert gk.prefill_planned(**ok) == (gk.gluon is not None)
+    for change in (dict(version="3.7.1"), dict(target=sm80), dict(heads=32), dict(dim=64), dict(k_row_bytes=130),
+                   dict(q_fmt=fnuz), dict(k_fmt=fnuz)):
+        assert not gk.prefill_planned(**{**ok, **change}), change
+
+
+@pytest.mark.gpu
+def test_compile_prefill_64_heads_no_recompile():
+    """The benchmark's head count and dim (the sm_90 Gluon kernel where it is planned) over three (M, N): one
+    graph, and no new compilation of either kernel."""
+    from torch_dsv4_ops.kernels import mqa_logits_gluon as gk
+
+    device = torch.device("cuda")
+    cases = [PrefillCase(m, n, 64, 128, "causal", seed=20 + m) for m, n in ((5, 70), (9, 131), (16, 192))]
+
+    def step(q, k, scale, w, ks, ke):
+        return ops.fp8_fp4_mqa_logits((q, None), (k, scale), w, ks, ke, True)
+
+    inputs = [c.args(device)[:6] for c in cases]
+    step(*inputs[0])
+    counted = [kernels.mqa_logits_kernel] + ([gk.mqa_logits_gluon_kernel] if gk.gluon is not None else [])
+    check_compile(step, inputs, kernels=counted)
+    for c, args in zip(cases, inputs):
+        assert_logits(step(*args), *c.expected(), True, "compile eager")
 
 
 def test_head_split_rules():

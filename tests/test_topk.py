@@ -14,6 +14,7 @@ from torch_dsv4_ops import layout
 from torch_dsv4_ops.kernels import topk as kernels
 from torch_dsv4_ops.ops import topk as ops
 from torch_dsv4_ops.ops.topk import top_k_per_row_decode, top_k_per_row_prefill
+from torch_dsv4_ops.ops._plans import ByAlignment
 from torch_dsv4_ops.reference import topk as reference
 from torch_dsv4_ops.testing import (assert_bitwise_equal, check_compile, check_cuda_graph, implementation, run_opcheck,
                                     sync_debug_error)
@@ -353,7 +354,7 @@ def test_plan_by_logits_alignment():
     """A COMPACT plan runs its aligned launch for logits at a 16-byte aligned address and its other launch
     otherwise (Triton compiles the two apart)."""
     calls = []
-    plan = ops._ByAlignment(lambda *t: calls.append(("aligned", t)), lambda *t: calls.append(("other", t)))
+    plan = ByAlignment(lambda *t: calls.append(("aligned", t)), lambda *t: calls.append(("other", t)), 0, 16)
     storage = torch.zeros(20)
     plan(storage[:16].view(2, 8), 1, 2, 3)
     plan(storage[1:17].view(2, 8), 1, 2, 3)

@@ -1,4 +1,6 @@
-"""`fp8_fp4_paged_mqa_logits` on sm_90 in Gluon (Triton 3.6): the K codes straight into the wgmma A operand.
+"""The indexer logits on sm_90 in Gluon (Triton 3.6): the K codes straight into the wgmma A operand.
+`paged_mqa_logits_gluon_kernel` serves `fp8_fp4_paged_mqa_logits`, `mqa_logits_gluon_kernel` the prefill
+`fp8_fp4_mqa_logits`.
 
 The Triton kernel (`mqa_logits.paged_mqa_logits_kernel`) decodes each 64-key tile into registers, moves it through
 shared memory to the dot's operand layout and the logits through it again to the store's: 48 % of the read
@@ -11,9 +13,15 @@ per query (N = 64), the second query's issued asynchronously under the first's h
 (`evict_first`), 128 registers: 4 programs per SM, about one wave of them. H100: 71.4 % of read in the benchmark
 (48 % with the Triton kernel; NOTES.md "Paged indexer logits in Gluon").
 
-`planned` says when this path runs: sm_90, Triton 3.6 (Gluon's API moves between versions), 64 heads, next_n 1 or 2,
-64-key pages, e4m3fn codes, contiguous q and weights. Everything else keeps the Triton kernel. The results equal the
-Triton kernel's to fp32 rounding (the same exact fp16 products, accumulated in fp32 in another order).
+The prefill kernel takes the same operand loads over contiguous key rows: a program holds 4 queries' Q (64.5 KB of
+shared memory) and walks the 64-key tiles that meet their ranges, one N = 64 product per query, each issued before
+the previous query's head sums so that one product is always in flight; 168 registers, 3 programs per SM. H100:
+47.4 % (full ranges) and 47.6 % (causal) of the fp8 matmul rate, against 40-41 % with the Triton kernel.
+
+`planned` / `prefill_planned` say when these paths run: sm_90, Triton 3.6 (Gluon's API moves between versions),
+64 heads, e4m3fn codes; paged: next_n 1 or 2, 64-key pages, contiguous q and weights; prefill: D 128, k rows a
+multiple of 4 bytes apart. Everything else keeps the Triton kernels. The results equal the Triton kernels' to fp32
+rounding (the same exact 16-bit products, accumulated in fp32 in another order).
 """
 from __future__ import annotations
 
@@ -39,6 +47,11 @@ _HEADS = tl.constexpr(HEADS)                 # the same, as constexpr globals of
 _BLOCK = tl.constexpr(BLOCK)
 PROGRAMS_PER_SM = 4                  # 128 registers a thread, 4 warps
 MAXNREG = 128
+# Prefill: 4 queries a program (4 products of N = 64 per 64-key tile, 64.5 KB of shared memory), 4 warps, 168
+# registers: 3 programs per SM. Swept on an H100 (benchmarks/NOTES.md "Prefill indexer logits in Gluon").
+PREFILL_QUERIES = 4
+PREFILL_WARPS = 4
+PREFILL_MAXNREG = 168
 
 
 def planned(target: platform.Target, heads: int, next_n: int, block_size: int, q: torch.Tensor,
@@ -49,6 +62,15 @@ def planned(target: platform.Target, heads: int, next_n: int, block_size: int, q
             and target.arch == 90 and heads == HEADS and next_n in (1, 2) and block_size == BLOCK
             and layout.INDEXER_DIM == 128 and q_fmt == layout.E4M3FN and k_fmt == layout.E4M3FN
             and q.is_contiguous() and weights.is_contiguous())
+
+
+def prefill_planned(target: platform.Target, heads: int, dim: int, k_row_bytes: int, q_fmt: layout.Fp8Format,
+                    k_fmt: layout.Fp8Format, version: str = triton.__version__) -> bool:
+    """Whether a prefill call runs the Gluon kernel: sm_90, Triton 3.6, 64 heads, D 128, e4m3fn, k rows a multiple
+    of 4 bytes apart (read as int32 words; a call whose k address is not 4-byte aligned takes the Triton kernel)."""
+    return (gluon is not None and triton_minor(version) in VERIFIED_TRITON and target.backend == "cuda"
+            and target.arch == 90 and heads == HEADS and dim == 128 and k_row_bytes % 4 == 0
+            and q_fmt == layout.E4M3FN and k_fmt == layout.E4M3FN)
 
 
 def splits(batch: int, max_len: int, multiprocessor_count: int) -> tuple[int, int]:
@@ -104,7 +126,7 @@ if gluon is not None:
             n = gl.load(ctx_ptr + b * c_s0) - NEXT_N + 1 + j
         return gl.minimum(gl.maximum(n, 0), max_len)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=("max_len", "num_blocks", "width", "o_s0", "tiles_per_split"))
     def paged_mqa_logits_gluon_kernel(q_ptr, cache32_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr, max_len, num_blocks,
                                       page_words, width, c_s0, c_s1, bt_s0, bt_s1, o_s0, tiles_per_split,
                                       NEXT_N: gl.constexpr, LENS_2D: gl.constexpr, CLEAN: gl.constexpr):
@@ -179,6 +201,124 @@ if gluon is not None:
                     gl.store(out_ptr + (b * NEXT_N + j).to(gl.int64) * o_s0 + kg, ninf, mask=kg < max_len)
 
 
+    @gluon.jit
+    def _k_tile(k32_ptr, sc_ptr, t, t_hi, n_keys, k_words, sc_s0, rows_w, words, keys, BLOCK: gl.constexpr):
+        """Prefill key tile t: codes as int32 words [BLOCK, 32] in the A-operand distribution and scales [BLOCK];
+        zeros for keys >= n_keys and for t >= t_hi (nothing loaded)."""
+        n_w = t * BLOCK + rows_w
+        wd = gl.load(k32_ptr + n_w.to(gl.int64)[:, None] * k_words + words[None, :],
+                     mask=((n_w < n_keys) & (t < t_hi))[:, None], other=0)
+        n_s = t * BLOCK + keys
+        sc = gl.load(sc_ptr + n_s.to(gl.int64) * sc_s0, mask=(n_s < n_keys) & (t < t_hi), other=0.0)
+        return wd, sc
+
+    @gluon.jit
+    def _pick(v, j):
+        """Element j of a [GQ] vector every thread holds whole."""
+        return gl.sum(gl.where(gl.arange(0, v.shape[0], layout=v.type.layout) == j, v, 0), axis=0)
+
+    @gluon.jit
+    def _range_logits(acc, w, sc, t, ks, ke, n_keys, out_ptr, row, row_ok, o_s0, BLOCK: gl.constexpr):
+        """One query's logits of a prefill tile from its [BLOCK keys, 64 heads] product: -inf outside [ks, ke)."""
+        lg = gl.sum(gl.maximum(acc, 0.0) * w[None, :], axis=1)
+        n = t * BLOCK + gl.arange(0, BLOCK, layout=lg.type.layout)
+        val = gl.where((n >= ks) & (n < ke), lg * sc, float("-inf"))
+        gl.store(out_ptr + row * o_s0 + n, val, mask=(n < n_keys) & row_ok)
+
+    @gluon.jit(do_not_specialize=("n_queries", "n_keys", "o_s0"))
+    def mqa_logits_gluon_kernel(q_ptr, k32_ptr, sc_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, n_queries, n_keys, q_s0,
+                                q_s1, k_words, sc_s0, w_s0, w_s1, ks_s0, ke_s0, o_s0,
+                                GQ: gl.constexpr, CLEAN: gl.constexpr):
+        """Program p: queries [GQ * blk, GQ * blk + GQ), blk counted from the end (the longest causal ranges
+        first), over the key tiles meeting their ranges; tiles of 16 * num_warps keys (64 per warpgroup). q: [M,
+        64, 128] codes with strides (q_s0, q_s1, 1); k: [N, 128] codes, rows k_words int32 words apart."""
+        gl.static_assert(GQ <= 4, "GQ 8 gave wrong logits on an H100 (NOTES.md)")
+        NW: gl.constexpr = gl.num_warps()
+        BLOCK: gl.constexpr = 16 * NW
+        ROWS: gl.constexpr = GQ * _HEADS
+        MMA_WIDE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, 128, 16])
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, 64, 16])
+        A_WORDS: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_WIDE, k_width=2)
+        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        if NW == 8:
+            W_L: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[BLOCK, 32])
+        else:
+            W_L: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK, 32])
+        Q_L: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [NW, 1], [1, 0])
+        B_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, 128], gl.float16)
+        W_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        R_L: gl.constexpr = gl.BlockedLayout([GQ], [32], [NW], [0])
+        O_L: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+
+        blk = gl.num_programs(0) - 1 - gl.program_id(0)
+        m0 = blk * GQ
+        qi = m0 + gl.arange(0, GQ, layout=R_L)
+        q_ok = qi < n_queries
+        ks = gl.load(ks_ptr + qi.to(gl.int64) * ks_s0, mask=q_ok, other=0)
+        ke = gl.load(ke_ptr + qi.to(gl.int64) * ke_s0, mask=q_ok, other=0)
+        ks = gl.minimum(gl.maximum(ks, 0), n_keys)
+        ke = gl.minimum(gl.maximum(ke, ks), n_keys)
+        lo = gl.min(gl.where(q_ok, ks, n_keys), axis=0)
+        hi = gl.max(gl.where(q_ok, ke, 0), axis=0)
+        t_lo = lo // BLOCK
+        t_hi = gl.where(hi > lo, gl.cdiv(hi, BLOCK), t_lo)
+
+        rows_w = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, W_L))
+        words = gl.arange(0, 32, layout=gl.SliceLayout(0, W_L))
+        keys = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
+        wd0, sc0 = _k_tile(k32_ptr, sc_ptr, t_lo, t_hi, n_keys, k_words, sc_s0, rows_w, words, keys, BLOCK)
+
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, Q_L))                   # query x head
+        dims = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
+        q_row = m0 + rows // _HEADS
+        q_codes = gl.load(q_ptr + q_row.to(gl.int64)[:, None] * q_s0 + (rows % _HEADS)[:, None] * q_s1
+                          + dims[None, :], mask=(q_row < n_queries)[:, None], other=0)
+        q_smem = gl.allocate_shared_memory(gl.float16, [ROWS, 128], B_SH,
+                                           _permuted(q_codes).to(gl.float8e4nv, bitcast=True).to(gl.float16))
+        heads = gl.arange(0, _HEADS, layout=gl.SliceLayout(0, MMA))
+        wq = gl.arange(0, GQ, layout=gl.SliceLayout(1, MMA))
+        w_row = m0 + wq
+        w_all = gl.load(w_ptr + w_row.to(gl.int64)[:, None] * w_s0 + heads[None, :] * w_s1,
+                        mask=(w_row < n_queries)[:, None], other=0.0)
+        w_smem = gl.allocate_shared_memory(gl.float32, [ROWS], W_SH, gl.reshape(w_all, [ROWS]))
+        fence_async_shared()
+        b_op = q_smem.permute((1, 0))
+        zero = gl.zeros([BLOCK, _HEADS], gl.float32, MMA)
+        for t in range(t_lo, t_hi):
+            wd1, sc1 = _k_tile(k32_ptr, sc_ptr, t + 1, t_hi, n_keys, k_words, sc_s0, rows_w, words, keys, BLOCK)
+            x0, x1, x2, x3 = _decode4(wd0)
+            a = _permuted(gl.reshape(gl.join(gl.join(x0, x2), gl.join(x1, x3)), [BLOCK, 128]))
+            a = gl.convert_layout(gl.convert_layout(a, A_WORDS), A_L)
+            acc = warpgroup_mma(a, b_op.slice(0, _HEADS, dim=1), zero, use_acc=False, is_async=True)
+            for j in gl.static_range(1, GQ):
+                nxt = warpgroup_mma(a, b_op.slice(j * _HEADS, _HEADS, dim=1), zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])
+                _range_logits(acc, w_smem.slice((j - 1) * _HEADS, _HEADS).load(gl.SliceLayout(0, MMA)), sc0, t, _pick(ks, j - 1),
+                              _pick(ke, j - 1), n_keys, out_ptr, (m0 + j - 1).to(gl.int64), m0 + j - 1 < n_queries,
+                              o_s0, BLOCK)
+                acc = nxt
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            _range_logits(acc, w_smem.slice((GQ - 1) * _HEADS, _HEADS).load(gl.SliceLayout(0, MMA)), sc0, t, _pick(ks, GQ - 1),
+                          _pick(ke, GQ - 1), n_keys, out_ptr, (m0 + GQ - 1).to(gl.int64), m0 + GQ - 1 < n_queries,
+                          o_s0, BLOCK)
+            wd0 = wd1
+            sc0 = sc1
+        if CLEAN:
+            ninf = gl.full([BLOCK], float("-inf"), gl.float32, O_L)
+            n_o = gl.arange(0, BLOCK, layout=O_L)
+            for t in range(0, gl.cdiv(n_keys, BLOCK)):
+                if (t < t_lo) | (t >= t_hi):
+                    n = t * BLOCK + n_o
+                    for j in gl.static_range(GQ):
+                        gl.store(out_ptr + (m0 + j).to(gl.int64) * o_s0 + n, ninf,
+                                 mask=(n < n_keys) & (m0 + j < n_queries))
+
+
 class _Words:
     """The cache's address as an int32 pointer argument (its pages hold int32 words; a non-contiguous uint8 view
     cannot be viewed as int32)."""
@@ -209,5 +349,20 @@ def bind(q, context_lens, block_tables, out, num_blocks: int, page_stride: int, 
 
     def launch(q, kv_cache, weights, context_lens, block_tables, out):
         kernel(q.view(torch.uint8), _Words(kv_cache), weights, context_lens, block_tables, out, *ints, **meta)
+
+    return launch
+
+
+def bind_prefill(q, k, k_scale, weights, ks, ke, out, clean: bool):
+    """The launch of a prefill call `prefill_planned` accepted, worked out once: a callable of (q, k, k_scale,
+    weights, ks, ke, out) for k at a 4-byte aligned address. Launched through Triton's own path."""
+    m = q.shape[0]
+    ints = (m, k.shape[0], q.stride(0), q.stride(1), k.stride(0) // 4, k_scale.stride(0), weights.stride(0),
+            weights.stride(1), ks.stride(0), ke.stride(0), out.stride(0))
+    kernel = mqa_logits_gluon_kernel[(triton.cdiv(m, PREFILL_QUERIES),)]
+    meta = dict(GQ=PREFILL_QUERIES, CLEAN=clean, num_warps=PREFILL_WARPS, maxnreg=PREFILL_MAXNREG)
+
+    def launch(q, k, k_scale, weights, ks, ke, out):
+        kernel(q.view(torch.uint8), _Words(k), k_scale, weights, ks, ke, out, *ints, **meta)
 
     return launch

@@ -29,6 +29,20 @@ class PlanCache(dict):
         return plan
 
 
+class ByAlignment:
+    """A plan of two launches: `aligned` where the call's argument number `arg` (a tensor) sits at a multiple of
+    `align` bytes (a power of two), `other` elsewhere. For fast paths that need aligned vector loads; the address
+    is not part of a plan's signature."""
+
+    __slots__ = ("aligned", "other", "arg", "mask")
+
+    def __init__(self, aligned, other, arg: int, align: int):
+        self.aligned, self.other, self.arg, self.mask = aligned, other, arg, align - 1
+
+    def __call__(self, *args):
+        (self.aligned if args[self.arg].data_ptr() & self.mask == 0 else self.other)(*args)
+
+
 def signature(name: str, args) -> tuple:
     """`name` and every shape, stride, dtype, device and scalar of a call (never a tensor's values)."""
     return (name, *[(a.shape, a.stride(), a.dtype, a.get_device()) if isinstance(a, torch.Tensor) else a

@@ -18,7 +18,7 @@ from ..kernels.attention import device_multiprocessors
 from ..library import register_op
 from ..reference import mqa_logits as reference
 from ._checks import check_bool, check_tensor
-from ._plans import MISSING, PlanCache, signature
+from ._plans import MISSING, ByAlignment, PlanCache, signature
 from .indexer import SCALE_ALIGN, check_cache_pointer, check_indexer_cache
 
 FP8_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -163,7 +163,12 @@ def _prefill_plan(q, k, k_scale, weights, ks, ke, clean_logits, out, use_fnuz):
                                         out.stride(0))
     grid = (layout.cdiv(checked.m, kernels.prefill_queries(checked.heads, target)),)
     dtypes = (torch.uint8, torch.uint8, torch.float32, torch.float32, torch.int32, torch.int32, torch.float32)
-    return kernels.PREFILL_LAUNCHER.bind(grid, dtypes, ints, meta, q.device)
+    launch = kernels.PREFILL_LAUNCHER.bind(grid, dtypes, ints, meta, q.device)
+    if mqa_logits_gluon.prefill_planned(target, checked.heads, checked.dim, k.stride(0), checked.q_fmt,
+                                        checked.k_fmt):
+        return ByAlignment(mqa_logits_gluon.bind_prefill(q, k, k_scale, weights, ks, ke, out, clean_logits), launch,
+                           1, 4)
+    return launch
 
 
 def _prefill_run(q, k, k_scale, weights, ks, ke, clean_logits, out, use_fnuz) -> None:

@@ -14,7 +14,7 @@ from ..kernels import topk as kernels
 from ..library import register_op
 from ..reference import topk as reference
 from ._checks import INT32_MAX, check_int, check_rows, check_tensor, known
-from ._plans import MISSING, PlanCache, signature
+from ._plans import MISSING, ByAlignment, PlanCache, signature
 
 LOGITS_DTYPES = (torch.float32,)   # what the logits ops produce; each dtype would be its own kernel
 LENGTH_DTYPES = (torch.int32,)
@@ -97,19 +97,6 @@ def _sig(name: str, args, logits, num_rows, stride0, stride1) -> tuple:
     return sig
 
 
-class _ByAlignment:
-    """A plan of two launches: `aligned` (COMPACT) for logits at a 16-byte aligned address, `other` otherwise
-    (Triton compiles the two apart, and the compaction's register order needs the aligned one's vector loads)."""
-
-    __slots__ = ("aligned", "other")
-
-    def __init__(self, aligned, other):
-        self.aligned, self.other = aligned, other
-
-    def __call__(self, logits, a, b, topk_indices):
-        (self.aligned if logits.data_ptr() & 15 == 0 else self.other)(logits, a, b, topk_indices)
-
-
 def _bind(mode, logits, a, b, topk_indices, num_rows, stride0, stride1, topk, a_strides, b_s0, next_n, n_seq):
     if num_rows == 0:
         return None
@@ -125,7 +112,8 @@ def _bind(mode, logits, a, b, topk_indices, num_rows, stride0, stride1, topk, a_
 
     vectors = stride1 == 1 and stride0 % 16 == 0 and n_cols % 16 == 0 and topk_indices.stride(1) == 1
     launch, compact = bind(vectors)
-    return _ByAlignment(launch, bind(False)[0]) if compact else launch
+    # COMPACT's register order needs the aligned launch's vector loads (Triton compiles the two apart)
+    return ByAlignment(launch, bind(False)[0], 0, 16) if compact else launch
 
 
 def _prefill_plan(logits, cu_seqlen_ks, cu_seqlen_ke, topk_indices, num_rows, stride0, stride1, topk):
