@@ -824,6 +824,9 @@ PREFILL_SCENARIOS = {
     "h64-small": PrefillSpec(hq=64, tokens=2, width=12, lens=("full", "part"), seed=53),
     "h128-small": PrefillSpec(hq=128, tokens=2, width=10, lens=("part", "max"), seed=54),
     "h1": PrefillSpec(hq=1, tokens=3, sinks=(PEAK_LOGIT,), seed=55),
+    # the sm_90 Gluon path's head count (kernels/sparse_mla_gluon.py): 64-row steps, empty and infinite-sink rows
+    "h64-sink-inf-two-steps": PrefillSpec(hq=64, tokens=4, skv=90, width=70, sinks=(INF, 0.0, -INF),
+                                          lens=("full", "zero", "part", "neg"), seed=57),
 }
 
 
@@ -847,6 +850,38 @@ def test_prefill_wide_shapes(device, hq):
         out, max_logits, lse = d.flash_mla_sparse_fwd(case.q, case.kv, case.idx, case.spec.scale,
                                                       attn_sink=case.sink, topk_length=case.lens)
     check_prefill(case, out, max_logits, lse, f"wide hq {hq} [{impl}]")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefill_strided_and_unaligned(device, impl):
+    """64 heads with q at an address that is not a multiple of 16 bytes, and kv rows 520 (a multiple of 8) or 516
+    elements apart: the sm_90 path copies 16-byte pieces, so the plan takes it only for aligned q and kv and rows a
+    multiple of 8 elements apart, the Triton kernel otherwise. Every form equals the oracle."""
+    case = PrefillCase(PrefillSpec(hq=64, tokens=3, skv=70, width=40, seed=58), device)
+    storage = torch.empty(case.q.numel() + 8, dtype=torch.bfloat16, device=device)
+    for q_offset, kv_row in ((0, 520), (1, 520), (0, 516)):
+        q = storage[q_offset:q_offset + case.q.numel()].view(case.q.shape)
+        q.copy_(case.q)
+        kv = torch.zeros(case.spec.skv, 1, kv_row, dtype=torch.bfloat16, device=device)[:, :, :D]
+        kv.copy_(case.kv)
+        with implementation(impl, device):
+            out, max_logits, lse = d.flash_mla_sparse_fwd(q, kv, case.idx, case.spec.scale, attn_sink=case.sink,
+                                                          topk_length=case.lens)
+        check_prefill(case, out, max_logits, lse, f"q offset {q_offset}, kv row {kv_row} [{impl}]")
+
+
+def test_gluon_prefill_rule():
+    """The prefill's Gluon kernel is planned on sm_90 with Triton 3.6 only, for 64 heads, q and kv strides that are
+    multiples of 8 elements and a target with the shared memory a program takes."""
+    from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
+
+    sm90 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 90)
+    sm80 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 80)
+    ok = dict(target=sm90, hq=64, q_strides=(64 * 520, 520, 1), kv_row_stride=520, version="3.6.0")
+    assert gk.prefill_planned(**ok) == (gk.gluon is not None)
+    for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=128), dict(hq=16), dict(kv_row_stride=516),
+                   dict(q_strides=(64 * 516, 516, 1)), dict(q_strides=(64 * 512 + 4, 512, 1))):
+        assert not gk.prefill_planned(**{**ok, **change}), change
 
 
 # --- the prefill chain: quantize_and_insert -> dequantize_and_gather -> combine_topk_swa_indices -> prefill ---
@@ -1269,6 +1304,29 @@ def test_compile_prefill_no_recompile(device):
     check_compile(step, inputs)      # compiled == eager bit for bit, one frame
     if jits:
         assert sum(triton_cache_entries(j) for j in jits) == before, "new Triton compilations"
+    for c, args in zip(cases, inputs):
+        check_prefill(c, *step(*args), f"compile Tq {c.spec.tokens} eager")
+
+
+@pytest.mark.gpu
+def test_compile_prefill_64_heads_no_recompile():
+    """64 heads (the sm_90 Gluon kernel where it is planned) over three Tq and widths: one graph, no new
+    compilation of any of the kernels."""
+    from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
+
+    cases = [PrefillCase(PrefillSpec(hq=64, tokens=t, width=w, skv=90, lens=("full", "part", "zero"), seed=130 + t),
+                         "cuda") for t, w in ((3, 70), (5, 28), (9, 130))]
+
+    def step(q, kv, idx, sink, lens):
+        return d.flash_mla_sparse_fwd(q, kv, idx, 0.08838834764831845, attn_sink=sink, topk_length=lens)
+
+    inputs = [(c.q, c.kv, c.idx, c.sink, c.lens) for c in cases]
+    jits = _jits()[:1] + ([gk.sparse_mla_prefill_gluon_kernel] if gk.gluon is not None else [])
+    step(*inputs[0])
+    torch.cuda.synchronize()
+    before = sum(triton_cache_entries(j) for j in jits)
+    check_compile(step, inputs)
+    assert sum(triton_cache_entries(j) for j in jits) == before, "new Triton compilations"
     for c, args in zip(cases, inputs):
         check_prefill(c, *step(*args), f"compile Tq {c.spec.tokens} eager")
 

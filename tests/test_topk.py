@@ -354,7 +354,7 @@ def test_plan_by_logits_alignment():
     """A COMPACT plan runs its aligned launch for logits at a 16-byte aligned address and its other launch
     otherwise (Triton compiles the two apart)."""
     calls = []
-    plan = ByAlignment(lambda *t: calls.append(("aligned", t)), lambda *t: calls.append(("other", t)), 0, 16)
+    plan = ByAlignment(lambda *t: calls.append(("aligned", t)), lambda *t: calls.append(("other", t)), (0,), 16)
     storage = torch.zeros(20)
     plan(storage[:16].view(2, 8), 1, 2, 3)
     plan(storage[1:17].view(2, 8), 1, 2, 3)

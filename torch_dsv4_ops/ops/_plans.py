@@ -30,17 +30,18 @@ class PlanCache(dict):
 
 
 class ByAlignment:
-    """A plan of two launches: `aligned` where the call's argument number `arg` (a tensor) sits at a multiple of
-    `align` bytes (a power of two), `other` elsewhere. For fast paths that need aligned vector loads; the address
-    is not part of a plan's signature."""
+    """A plan of two launches: `aligned` where the call's arguments numbered `args` (tensors) all sit at a multiple
+    of `align` bytes (a power of two), `other` elsewhere. For fast paths that need aligned vector loads; addresses
+    are not part of a plan's signature."""
 
-    __slots__ = ("aligned", "other", "arg", "mask")
+    __slots__ = ("aligned", "other", "args", "mask")
 
-    def __init__(self, aligned, other, arg: int, align: int):
-        self.aligned, self.other, self.arg, self.mask = aligned, other, arg, align - 1
+    def __init__(self, aligned, other, args: tuple[int, ...], align: int):
+        self.aligned, self.other, self.args, self.mask = aligned, other, args, align - 1
 
-    def __call__(self, *args):
-        (self.aligned if args[self.arg].data_ptr() & self.mask == 0 else self.other)(*args)
+    def __call__(self, *call):
+        aligned = all(call[i].data_ptr() & self.mask == 0 for i in self.args)
+        (self.aligned if aligned else self.other)(*call)
 
 
 def signature(name: str, args) -> tuple:

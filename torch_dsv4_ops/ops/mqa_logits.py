@@ -167,7 +167,7 @@ def _prefill_plan(q, k, k_scale, weights, ks, ke, clean_logits, out, use_fnuz):
     if mqa_logits_gluon.prefill_planned(target, checked.heads, checked.dim, k.stride(0), checked.q_fmt,
                                         checked.k_fmt):
         return ByAlignment(mqa_logits_gluon.bind_prefill(q, k, k_scale, weights, ks, ke, out, clean_logits), launch,
-                           1, 4)
+                           (1,), 4)
     return launch
 
 

@@ -13,11 +13,11 @@ import dataclasses
 import torch
 
 from .. import layout, platform
-from ..kernels import sparse_mla as kernels
+from ..kernels import sparse_mla as kernels, sparse_mla_gluon
 from ..library import register_op
 from ..reference import sparse_mla as reference
 from ._checks import check_bool, check_float, check_int32_extent, check_tensor
-from ._plans import MISSING, PlanCache, signature
+from ._plans import MISSING, ByAlignment, PlanCache, signature
 
 CACHE_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)
 INDEX_DTYPES = (torch.int32,)
@@ -412,7 +412,12 @@ def _prefill_plan(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_log
     dtypes = (torch.bfloat16,) * 2 + (torch.int32,) * 2 + (torch.bfloat16,) + (torch.int32,) * 2 \
         + (torch.float32, torch.bfloat16) + (torch.float32,) * 3
     grid = (checked.tokens, kernels.head_blocks(checked.hq, target), 1)
-    return kernels.SPARSE_LAUNCHER.bind(grid, dtypes, ints, meta, q.device)
+    launch = kernels.SPARSE_LAUNCHER.bind(grid, dtypes, ints, meta, q.device)
+    if sparse_mla_gluon.prefill_planned(target, checked.hq, q.stride(), kv.stride(0)):
+        gluon_launch = sparse_mla_gluon.bind_prefill(q, kv, indices, sm_scale, topk_length, attn_sink, out,
+                                                     max_logits, lse)
+        return ByAlignment(gluon_launch, launch, (0, 1), 16)
+    return launch
 
 
 def _prefill_run(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse) -> None:

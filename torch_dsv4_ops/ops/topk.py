@@ -113,7 +113,7 @@ def _bind(mode, logits, a, b, topk_indices, num_rows, stride0, stride1, topk, a_
     vectors = stride1 == 1 and stride0 % 16 == 0 and n_cols % 16 == 0 and topk_indices.stride(1) == 1
     launch, compact = bind(vectors)
     # COMPACT's register order needs the aligned launch's vector loads (Triton compiles the two apart)
-    return ByAlignment(launch, bind(False)[0], 0, 16) if compact else launch
+    return ByAlignment(launch, bind(False)[0], (0,), 16) if compact else launch
 
 
 def _prefill_plan(logits, cu_seqlen_ks, cu_seqlen_ke, topk_indices, num_rows, stride0, stride1, topk):
