@@ -441,6 +441,47 @@ def test_decode_wide_shapes(device, name):
     check_decode(case, out, lse, f"{name} [{impl}]")
 
 
+# Calls that do not split, at 64 heads: the sm_90 Gluon decode (kernels/sparse_mla_gluon.py) where it is planned
+# (on the CPU the reference). Hostile lengths, NaN-poisoned unused pages, a float8 cache, infinite sinks.
+UNSPLIT_64_HEADS = {
+    "h64-c4a-sq2": DecodeSpec(hq=64, batch=6, s_q=2, width=128, extra_width=160, nb=4, x_nb=5,
+                              lens=("full", "part", "one", "zero", "over", "neg"),
+                              x_lens=("part", "full", "zero", "one", "full", "over"), seed=140),
+    "h64-swa-float8-sinks": DecodeSpec(hq=64, batch=5, width=260, lens=None, nb=6, dtype=torch.float8_e4m3fn,
+                                       sinks=(INF, 0.0, -INF, PEAK_LOGIT), seed=141),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSPLIT_64_HEADS))
+def test_decode_unsplit_64_heads(device, name):
+    from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
+
+    impl = "reference" if device.type == "cpu" else "kernel"
+    case = DecodeCase(UNSPLIT_64_HEADS[name], device)
+    assert case.spec.width + case.spec.extra_width >= gk.MIN_DECODE_STEPS * 64     # long enough for the Gluon path
+    assert_coverage(case)
+    with forced_splits(1):
+        out, lse = run_decode(case, impl)
+    check_decode(case, out, lse, f"{name} [{impl}]")
+
+
+def test_gluon_decode_rule():
+    """The decode's Gluon kernel is planned on sm_90 with Triton 3.6 only, for 64 heads, OCP caches, q strides that
+    are multiples of 8 elements, at least half an SM count of query rows (or one forced split), lists of at least
+    4 steps and a target with the shared memory a program takes."""
+    from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
+
+    sm90 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 90)
+    sm80 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 80)
+    ok = dict(target=sm90, hq=64, q_strides=(64 * 512, 64 * 512, 512, 1), fnuz=(False, False), rows=66,
+              positions=256, multiprocessor_count=132, version="3.6.0")
+    assert gk.decode_planned(**ok) == (gk.gluon is not None)
+    assert gk.decode_planned(**{**ok, "rows": 4, "forced": 1}) == (gk.gluon is not None)
+    for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=128), dict(fnuz=(False, True)), dict(rows=65),
+                   dict(positions=255), dict(forced=2), dict(q_strides=(64 * 516, 64 * 516, 516, 1))):
+        assert not gk.decode_planned(**{**ok, **change}), change
+
+
 # The plans of GPUs with less shared memory (sm_80: 163 KB; sm_86/89/120: 99 KB), run on this GPU: their tiles
 # (32-row steps, 32-head blocks) must give the same results. The compile matrix checks that they fit.
 SMALLER_SHARED_MEMORY = ("sm_80", "sm_86")
@@ -1334,27 +1375,30 @@ def test_compile_prefill_64_heads_no_recompile():
 # ================================================================================================
 # GPU only: CUDA graphs, sync-free eager calls, benchmark-sized decode
 # ================================================================================================
-def _graph_cases(splits: bool):
+def _graph_cases(splits: int | None, hq: int = 16):
     lens = [("full", "part", "one", "zero"), ("one", "over", "full", "part"), ("zero", "full", "neg", "full")]
-    return [DecodeCase(DecodeSpec(batch=4, hq=16, width=96, extra_width=128, nb=4, x_nb=5, lens=lens[i],
-                                  x_lens=lens[(i + 1) % 3], seed=120 + i + 10 * splits), "cuda") for i in range(3)]
+    return [DecodeCase(DecodeSpec(batch=4, hq=hq, width=128, extra_width=128, nb=4, x_nb=5, lens=lens[i],
+                                  x_lens=lens[(i + 1) % 3], seed=120 + i + 10 * (splits or 0) + hq), "cuda")
+            for i in range(3)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "forced-3"])
-def test_cuda_graph_decode_replay(splits):
+@pytest.mark.parametrize("splits,hq", [(None, 16), (3, 16), (1, 64)],
+                         ids=["auto-splits", "forced-3", "unsplit-h64"])
+def test_cuda_graph_decode_replay(splits, hq):
     """Decode with out/lse/workspace given, captured once; replayed with new q, indices, lengths and cache contents
-    copied into the same buffers: equal to eager bit for bit, and eager equals the oracle."""
-    cases = _graph_cases(splits is not None)
+    copied into the same buffers: equal to eager bit for bit, and eager equals the oracle. Unsplit at 64 heads:
+    the sm_90 Gluon kernel where it is planned."""
+    cases = _graph_cases(splits, hq)
 
     def ctx():
         return forced_splits(splits) if splits else contextlib.nullcontext()
 
     with ctx():
-        size = d.sparse_mla_workspace_size(4, 1, 16, "cuda")
+        size = d.sparse_mla_workspace_size(4, 1, hq, "cuda")
 
     def buffers(c):
-        lse = poison_(torch.empty(4, 1, 16, device="cuda")).transpose(1, 2)
+        lse = poison_(torch.empty(4, 1, hq, device="cuda")).transpose(1, 2)
         return [c.q, c.main.tensor, c.extra.tensor, c.idx, c.lens, c.x_idx, c.x_lens, c.sink,
                 poison_(torch.empty_like(c.q)), lse, poison_(torch.empty(size, dtype=torch.bfloat16, device="cuda"))]
 

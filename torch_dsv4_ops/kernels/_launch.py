@@ -36,6 +36,20 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+class PointerAs:
+    """A tensor's address as a pointer argument of another element type (what Triton's launch reads of a tensor:
+    `data_ptr()` and `dtype`): a cache's bytes as int32 words, a float32 workspace allocated as bf16, without a
+    view (a non-contiguous uint8 tensor cannot be viewed as int32)."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, t: torch.Tensor, dtype: torch.dtype):
+        self.address, self.dtype = t.data_ptr(), dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
 def triton_minor(version: str) -> str:
     """"3.6.0" -> "3.6"."""
     return ".".join(version.split("+")[0].split(".")[:2])

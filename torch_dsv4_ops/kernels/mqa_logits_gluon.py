@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import layout, platform
-from ._launch import triton_minor
+from ._launch import PointerAs, triton_minor
 
 try:
     from triton.experimental import gluon
@@ -319,18 +319,9 @@ if gluon is not None:
                                  mask=(n < n_keys) & (m0 + j < n_queries))
 
 
-class _Words:
-    """The cache's address as an int32 pointer argument (its pages hold int32 words; a non-contiguous uint8 view
-    cannot be viewed as int32)."""
-
-    __slots__ = ("address",)
-    dtype = torch.int32
-
-    def __init__(self, t: torch.Tensor):
-        self.address = t.data_ptr()
-
-    def data_ptr(self) -> int:
-        return self.address
+def _Words(t: torch.Tensor) -> PointerAs:
+    """The cache's (or k's) address as an int32 pointer argument: its rows are read as int32 words."""
+    return PointerAs(t, torch.int32)
 
 
 def bind(q, context_lens, block_tables, out, num_blocks: int, page_stride: int, max_len: int, clean: bool,

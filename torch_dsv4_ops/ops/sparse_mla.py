@@ -263,8 +263,12 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     x_width = extra_indices.shape[2] if extra is not None else 0
     small = kernels.small_decode(checked.rows)
     block_n = kernels.tiles(target, False, small)["BLOCK_N"]
-    splits = forced or kernels.decode_splits(checked.rows, checked.hq, width + x_width, block_n,
-                                             kernels.device_multiprocessors(device), target)
+    sms = kernels.device_multiprocessors(device)
+    fnuz = (use_fnuz, extra is not None and extra_use_fnuz)
+    gluon = sparse_mla_gluon.decode_planned(target, checked.hq, q.stride(), fnuz, checked.rows, width + x_width, sms,
+                                            forced)
+    splits = 1 if gluon else forced or kernels.decode_splits(checked.rows, checked.hq, width + x_width, block_n,
+                                                             sms, target)
     elements, ml_base = kernels.workspace_elements(checked.rows, checked.hq, splits)
     if splits == 1:
         elements = 0
@@ -290,6 +294,10 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
               torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.float32)
     grid = (checked.rows, kernels.head_blocks(checked.hq, target, small), splits)
     launch = kernels.SPARSE_LAUNCHER.bind(grid, dtypes, ints, meta, device)
+    if gluon:
+        gluon_launch = sparse_mla_gluon.bind_decode(q, indices, extra_indices, topk_length, extra_topk_length,
+                                                    attn_sink, out, lse, softmax_scale, main, extra)
+        launch = ByAlignment(gluon_launch, launch, (0,), 16)
     if splits == 1:
         return DecodePlan(launch, None, 0)
     cmeta = kernels.launch_options(kernels.combine_constexprs(target, attn_sink is not None, splits))

@@ -1,0 +1,74 @@
+"""The sparse MLA decode's sm_90 Gluon kernel against the Triton kernel (H100, Triton 3.6):
+`python -m benchmarks.probe_gluon_sparse_mla_decode`.
+
+On the benchmark's decode cases (64 heads; C4A: SWA 128 + top-k 512 from an extra cache; SWA-only) and a few batch
+sizes it times, by do_bench over the benchmark's input sets: the op's plan, the op with the Gluon path switched
+off (the Triton kernel and its split plan), and both kernels forced to one split (the Gluon kernel's only plan),
+and checks that each agrees with the Triton kernel's default. How the kernel came to be: benchmarks/NOTES.md,
+"Sparse MLA decode in Gluon".
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+
+import torch
+
+import torch_dsv4_ops
+from torch_dsv4_ops.kernels import sparse_mla_gluon as gluon_kernels
+from torch_dsv4_ops.ops import sparse_mla as ops
+
+from . import bench_sparse_mla as bench, harness
+
+CASES = (("c4a", 64), ("c4a", 128), ("c4a", 256), ("swa", 256))
+
+
+@contextlib.contextmanager
+def _path(gluon: bool, splits: int | None):
+    planned = gluon_kernels.decode_planned
+    if not gluon:
+        gluon_kernels.decode_planned = lambda *a, **kw: False
+    ops._DECODE_PLANS.clear()
+    try:
+        with ops.forced_splits(splits) if splits else contextlib.nullcontext():
+            yield
+    finally:
+        gluon_kernels.decode_planned = planned
+        ops._DECODE_PLANS.clear()
+
+
+def main(argv=None) -> int:
+    if not torch.cuda.is_available() or torch.version.hip:
+        print("probe_gluon_sparse_mla_decode: needs an NVIDIA GPU")
+        return 1
+    dev = torch.device("cuda")
+    for kind, batch in CASES:
+        s = bench.Spec(kind, batch)
+        sets = bench._decode_sets(s, dev, 2)
+        out = torch.empty_like(sets[0][0])
+        lse = torch.empty(batch, s.heads, 1, device=dev)
+        ws = torch.empty(torch_dsv4_ops.sparse_mla_workspace_size(batch, 1, s.heads, dev), dtype=torch.bfloat16,
+                         device=dev)
+
+        def run(i: int) -> None:
+            bench._call_decode(*sets[i], out=out, lse=lse, workspace=ws)
+
+        results = {}
+        for label, gluon, splits in (("op plan", True, None), ("triton", False, None), ("triton unsplit", False, 1),
+                                     ("gluon unsplit", True, 1)):
+            with _path(gluon, splits):
+                run(0)
+                results[label] = (out.clone(), lse.clone())
+                it = itertools.count()
+                us = harness.time_do_bench(lambda: run(next(it) % 2))
+            ref_out, ref_lse = results.get("triton", results[label])
+            d_out = (results[label][0].float() - ref_out.float()).abs().max().item()
+            d_lse = (results[label][1] - ref_lse).abs().max().item()
+            print(f"{kind} B={batch:3d} {label:15s} {us:8.2f} us   against the Triton kernel: out {d_out:.3g}, "
+                  f"lse {d_lse:.3g}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
