@@ -290,8 +290,6 @@ if gluon is not None:
             if HAS_X_LEN:
                 n_x = gl.minimum(gl.maximum(gl.load(x_len_ptr + b * x_len_s), 0), x_width)
             tiles += gl.cdiv(n_x, BN)
-        t_lo = 0
-        t_hi = tiles
         idx_row = idx_ptr + b * i_s0 + j * i_s1
         x_row = x_idx_ptr + b * x_s0 + j * x_s1
 
@@ -311,25 +309,25 @@ if gluon is not None:
         scale = sm_scale * 1.4426950408889634
         rows = gl.arange(0, BN, layout=R1)
         # rows staged two steps ahead: step t's copies are issued once step t - 2's staged bytes are dequantised
-        slot, ok_a, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, t_lo, tiles_main, n_main, n_x, num_rows,
+        slot, ok_a, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, 0, tiles_main, n_main, n_x, num_rows,
                                           x_num_rows, rows, EXTRA)
-        ok_a = ok_a & (t_lo < t_hi)
+        ok_a = ok_a & (0 < tiles)
         _stage_step(cache_ptr, x_cache_ptr, page_stride, x_page_stride, slot, ok_a, is_main, st_codes.index(0),
                     st_rope.index(0), st_scale.index(0), BS, X_BS, EXTRA)
-        slot, ok_b, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, t_lo + 1, tiles_main, n_main, n_x, num_rows,
+        slot, ok_b, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, 1, tiles_main, n_main, n_x, num_rows,
                                           x_num_rows, rows, EXTRA)
-        ok_b = ok_b & (t_lo + 1 < t_hi)
+        ok_b = ok_b & (1 < tiles)
         _stage_step(cache_ptr, x_cache_ptr, page_stride, x_page_stride, slot, ok_b, is_main, st_codes.index(1),
                     st_rope.index(1), st_scale.index(1), BS, X_BS, EXTRA)
         m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
         l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
         acc = warpgroup_mma_init(gl.zeros([H, D], gl.float32, _O_MMA))
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
-        for tile in range(t_lo, t_hi):
-            sb = (tile - t_lo) % 2
+        for tile in range(0, tiles):
+            sb = tile % 2
             slot, ok_c, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, tile + 2, tiles_main, n_main, n_x,
                                               num_rows, x_num_rows, rows, EXTRA)
-            ok_c = ok_c & (tile + 2 < t_hi)
+            ok_c = ok_c & (tile + 2 < tiles)
             async_copy.wait_group(1)         # step tile's group (and Q's) landed; step tile + 1's may still fly
             acc = warpgroup_mma_wait(0, deps=[acc])
             gl.thread_barrier()              # every thread's copies visible; both warpgroups done with kvb
