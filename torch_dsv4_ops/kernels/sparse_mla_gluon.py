@@ -59,13 +59,18 @@ def prefill_planned(target: platform.Target, hq: int, q_strides: tuple, kv_row_s
 
 
 if gluon is not None:
-    # 8 warps: the two warpgroups split the N of the scores [64 heads, 64 rows] and of O [64 heads, 512]
-    _S_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
-    _O_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                    instr_shape=[16, 256, 16]))
-    _P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_MMA.value, k_width=2))
-    _SH = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16))
+    try:
+        # 8 warps: the two warpgroups split the N of the scores [64 heads, 64 rows] and of O [64 heads, 512]
+        _S_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, 32, 16]))
+        _O_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, 256, 16]))
+        _P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_MMA.value, k_width=2))
+        _SH = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16))
+    except (TypeError, AttributeError, ValueError):     # a Gluon whose layout API differs: the Triton kernels only
+        gluon = None
 
+if gluon is not None:
     @gluon.jit
     def _online_step(s, ok, scale, m_i, l_i, acc, kv):
         """One step of the online softmax (base 2) on the scores s [64, 64] of the rows in kv (invalid where not
