@@ -13,7 +13,7 @@ per query (N = 64), the second query's issued asynchronously under the first's h
 (`evict_first`), 128 registers: 4 programs per SM, about one wave of them. H100: 71.4 % of read in the benchmark
 (48 % with the Triton kernel; NOTES.md "Paged indexer logits in Gluon").
 
-The prefill kernel takes the same operand loads over contiguous key rows: a program holds 4 queries' Q (64.5 KB of
+The prefill kernel takes the same operand loads over contiguous key rows: a program holds 4 queries' Q (65 KB of
 shared memory) and walks the 64-key tiles that meet their ranges, one N = 64 product per query, each issued before
 the previous query's head sums so that one product is always in flight; 168 registers, 3 programs per SM. H100:
 47.4 % (full ranges) and 47.6 % (causal) of the fp8 matmul rate, against 40-41 % with the Triton kernel.
@@ -47,7 +47,7 @@ _HEADS = tl.constexpr(HEADS)                 # the same, as constexpr globals of
 _BLOCK = tl.constexpr(BLOCK)
 PROGRAMS_PER_SM = 4                  # 128 registers a thread, 4 warps
 MAXNREG = 128
-# Prefill: 4 queries a program (4 products of N = 64 per 64-key tile, 64.5 KB of shared memory), 4 warps, 168
+# Prefill: 4 queries a program (4 products of N = 64 per 64-key tile, 65 KB of shared memory), 4 warps, 168
 # registers: 3 programs per SM. Swept on an H100 (benchmarks/NOTES.md "Prefill indexer logits in Gluon").
 PREFILL_QUERIES = 4
 PREFILL_WARPS = 4
