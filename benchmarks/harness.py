@@ -15,6 +15,7 @@ input sets so repeated calls do not sit in L2. On the CPU a case is timed by wal
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -239,6 +240,27 @@ def _time_copy(n: int, device: torch.device) -> tuple[float, str]:
 
 READ_BYTES = 2 * GiB          # size of the read-ceiling buffer
 MATMUL_N = 8192               # the matmul ceiling: N^3 bf16
+
+
+def nvidia_device(probe: str) -> torch.device | None:
+    """The CUDA device for a probe of an NVIDIA-only path, or None (having said why) where there is none."""
+    if not torch.cuda.is_available() or torch.version.hip:
+        print(f"{probe}: needs an NVIDIA GPU")
+        return None
+    return torch.device("cuda")
+
+
+@contextlib.contextmanager
+def plan_rule_off(module, rule: str, off: bool = True):
+    """Inside (when `off`), `module.<rule>`, a fast path's plan rule, answers False: an op planned there takes its
+    portable kernel. Probes compare the two this way."""
+    kept = getattr(module, rule)
+    if off:
+        setattr(module, rule, lambda *a, **kw: False)
+    try:
+        yield
+    finally:
+        setattr(module, rule, kept)
 
 
 def read_matmul_ceilings(device: torch.device) -> dict:

@@ -28,10 +28,9 @@ def main(argv=None) -> int:
     p.add_argument("--tiles-per-split", type=int, nargs="+", default=[32, 64, 16])
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or torch.version.hip:
-        print("probe_gluon_paged_logits: needs an NVIDIA GPU")
+    dev = harness.nvidia_device("probe_gluon_paged_logits")
+    if dev is None:
         return 1
-    dev = torch.device("cuda")
     target = platform.target_for(dev)
     torch.manual_seed(0)
     s = bench.Spec("paged", batch=bench.PAGED["B"], next_n=bench.PAGED["next_n"], length=bench.PAGED["L"])
@@ -45,12 +44,8 @@ def main(argv=None) -> int:
     nb = cache.shape[0]
     out_op = torch.empty(s.batch * s.next_n, s.length, device=dev)
     out = torch.empty_like(out_op)
-    planned = gluon_kernels.planned
-    gluon_kernels.planned = lambda *a, **k: False                 # the op's plan of its Triton kernel
-    try:
+    with harness.plan_rule_off(gluon_kernels, "planned"):          # the op's plan of its Triton kernel
         triton_launch = ops._paged_plan(qs[0], cache, ws[0], lens, tables[0], s.length, True, out_op, False)
-    finally:
-        gluon_kernels.planned = planned
 
     def run_triton(j: int) -> None:
         triton_launch(qs[j], cache, ws[j], lens, tables[j], out_op)

@@ -29,10 +29,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or torch.version.hip:
-        print("probe_gluon_prefill_logits: needs an NVIDIA GPU")
+    dev = harness.nvidia_device("probe_gluon_prefill_logits")
+    if dev is None:
         return 1
-    dev = torch.device("cuda")
     if not gluon_kernels.prefill_planned(platform.target_for(dev), bench.HEADS, bench.DIM, bench.DIM, layout.E4M3FN,
                                          layout.E4M3FN):
         print("probe_gluon_prefill_logits: the Gluon path is not planned here (needs sm_90 and Triton "
@@ -53,12 +52,8 @@ def main(argv=None) -> int:
         ks, ke = (torch.zeros_like(i), torch.full_like(i, n)) if ranges == "full" else (torch.zeros_like(i),
                                                                                          n - m + i + 1)
         flops = bench.Spec("prefill", ranges, m=m, n=n).flops()
-        planned = gluon_kernels.prefill_planned
-        gluon_kernels.prefill_planned = lambda *a, **kw: False          # the op's plan of its Triton kernel
-        try:
+        with harness.plan_rule_off(gluon_kernels, "prefill_planned"):      # the op's plan of its Triton kernel
             triton_launch = ops._prefill_plan(q, k, scale, w, ks, ke, True, out_triton, False)
-        finally:
-            gluon_kernels.prefill_planned = planned
 
         def run_triton():
             triton_launch(q, k, scale, w, ks, ke, out_triton)

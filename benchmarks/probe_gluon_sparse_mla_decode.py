@@ -3,8 +3,9 @@
 
 On the benchmark's decode cases (64 heads; C4A: SWA 128 + top-k 512 from an extra cache; SWA-only) and a few batch
 sizes it times, by do_bench over the benchmark's input sets: the op's plan, the op with the Gluon path switched
-off (the Triton kernel and its split plan), and both kernels forced to one split (the Gluon kernel's only plan),
-and checks that each agrees with the Triton kernel's default. How the kernel came to be: benchmarks/NOTES.md,
+off (the Triton kernel and its split plan), and both forced to one split (the op then runs the Gluon kernel where
+its rule plans it: lists of at least `MIN_DECODE_STEPS` steps, so not SWA-only), and checks that each agrees with
+the Triton kernel's default. How the kernel came to be: benchmarks/NOTES.md,
 "Sparse MLA decode in Gluon".
 """
 from __future__ import annotations
@@ -26,23 +27,20 @@ CASES = (("c4a", 64), ("c4a", 128), ("c4a", 256), ("swa", 256))
 
 @contextlib.contextmanager
 def _path(gluon: bool, splits: int | None):
-    planned = gluon_kernels.decode_planned
-    if not gluon:
-        gluon_kernels.decode_planned = lambda *a, **kw: False
+    """The op with the Gluon path allowed or not and `splits` forced (None: its own), planned afresh."""
     ops._DECODE_PLANS.clear()
     try:
-        with ops.forced_splits(splits) if splits else contextlib.nullcontext():
+        with harness.plan_rule_off(gluon_kernels, "decode_planned", off=not gluon), \
+                ops.forced_splits(splits) if splits else contextlib.nullcontext():
             yield
     finally:
-        gluon_kernels.decode_planned = planned
         ops._DECODE_PLANS.clear()
 
 
 def main(argv=None) -> int:
-    if not torch.cuda.is_available() or torch.version.hip:
-        print("probe_gluon_sparse_mla_decode: needs an NVIDIA GPU")
+    dev = harness.nvidia_device("probe_gluon_sparse_mla_decode")
+    if dev is None:
         return 1
-    dev = torch.device("cuda")
     for kind, batch in CASES:
         s = bench.Spec(kind, batch)
         sets = bench._decode_sets(s, dev, 2)
@@ -56,7 +54,7 @@ def main(argv=None) -> int:
 
         results = {}
         for label, gluon, splits in (("op plan", True, None), ("triton", False, None), ("triton unsplit", False, 1),
-                                     ("gluon unsplit", True, 1)):
+                                     ("op unsplit", True, 1)):
             with _path(gluon, splits):
                 run(0)
                 results[label] = (out.clone(), lse.clone())

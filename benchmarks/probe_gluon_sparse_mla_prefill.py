@@ -24,10 +24,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or torch.version.hip:
-        print("probe_gluon_sparse_mla_prefill: needs an NVIDIA GPU")
+    dev = harness.nvidia_device("probe_gluon_sparse_mla_prefill")
+    if dev is None:
         return 1
-    dev = torch.device("cuda")
     tokens, rows, width, heads = bench.PREFILL_TOKENS, bench.PREFILL_WORKSPACE, bench.PREFILL_ROWS, 64
     g = torch.Generator(device=dev).manual_seed(4)
     kv = torch.randn(rows, 1, layout.HEAD_DIM, generator=g, device=dev).to(torch.bfloat16)
@@ -40,17 +39,9 @@ def main(argv=None) -> int:
         return 1
     outs = {}
     for path in ("gluon", "triton"):
-        planned = gluon_kernels.prefill_planned
-        if path == "triton":
-            gluon_kernels.prefill_planned = lambda *a, **kw: False
-        ops._PREFILL_PLANS.clear()
-        try:
-            o, m, lse = (torch.empty_like(q), torch.empty(tokens, heads, device=dev),
-                         torch.empty(tokens, heads, device=dev))
+        o, m, lse = torch.empty_like(q), torch.empty(tokens, heads, device=dev), torch.empty(tokens, heads, device=dev)
+        with harness.plan_rule_off(gluon_kernels, "prefill_planned", off=path == "triton"):
             launch = ops._prefill_plan(q, kv, idx, layout.MLA_SOFTMAX_SCALE, sink, None, o, m, lse)
-        finally:
-            gluon_kernels.prefill_planned = planned
-            ops._PREFILL_PLANS.clear()
 
         def run(launch=launch, o=o, m=m, lse=lse):
             launch(q, kv, idx, idx, kv, idx, idx, sink, o, lse, m, lse)
