@@ -67,6 +67,12 @@ if gluon is not None:
                                                         instr_shape=[16, 256, 16]))
         _P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_MMA.value, k_width=2))
         _SH = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16))
+        # the fp8_ds_mla token (layout.py): 7 blocks of 64 fp8 codes, 64 RoPE bf16, then one scale byte a block
+        _DATA_BYTES = gl.constexpr(layout.TOKEN_DATA_BYTES)
+        _NOPE = gl.constexpr(layout.NOPE_DIM)
+        _QB = gl.constexpr(layout.QUANT_BLOCK)
+        _NUM_QB = gl.constexpr(layout.NUM_QUANT_BLOCKS)
+        _SCALE_BYTES = gl.constexpr(layout.SCALE_BYTES)
     except (TypeError, AttributeError, ValueError):     # a Gluon whose layout API differs: the Triton kernels only
         gluon = None
 
@@ -126,9 +132,6 @@ if gluon is not None:
         D: gl.constexpr = 512
         H: gl.constexpr = 64
         BN: gl.constexpr = 64
-        S_MMA: gl.constexpr = _S_MMA
-        O_MMA: gl.constexpr = _O_MMA
-        SH: gl.constexpr = _SH
         G_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
         kv_s0 = kv_s8 * 8
         q_s0 = q_s08 * 8
@@ -142,19 +145,19 @@ if gluon is not None:
         rows_g = gl.arange(0, BN, layout=gl.SliceLayout(1, G_L))
         dims_g = gl.arange(0, D, layout=gl.SliceLayout(0, G_L))
 
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], SH)
-        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], SH)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], _SH)
+        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], _SH)
         async_copy.async_copy_global_to_shared(q_smem, q_ptr + t * q_s0 + (rows_g * q_s1)[:, None] + dims_g[None, :])
         async_copy.commit_group()
         slot_g, ok_g = _slots(idx_row, i_s2, 0, n_sel, num_rows, rows_g, BN)
         _gather(kv_ptr, slot_g, ok_g, kv_s0, kv_smem.index(0), dims_g)
 
         scale = sm_scale * 1.4426950408889634
-        keys = gl.arange(0, BN, layout=gl.SliceLayout(0, S_MMA))
-        m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, S_MMA))
-        l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, S_MMA))
-        acc = gl.zeros([H, D], gl.float32, O_MMA)
-        s_zero = gl.zeros([H, BN], gl.float32, S_MMA)
+        keys = gl.arange(0, BN, layout=gl.SliceLayout(0, _S_MMA))
+        m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
+        l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
+        acc = gl.zeros([H, D], gl.float32, _O_MMA)
+        s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
         _, ok_s = _slots(idx_row, i_s2, 0, n_sel, num_rows, keys, BN)
         # O of step it runs asynchronously under step it + 1's gather wait and scores; the next gather is issued
         # once both products that read its buffer are done
@@ -177,11 +180,11 @@ if gluon is not None:
         async_copy.wait_group(0)                 # no copy outlives the program (a token with nothing selected)
 
         out, lse, mx = _finish(acc, m_i, l_i, sink_ptr, SINKS)
-        heads = gl.arange(0, H, layout=gl.SliceLayout(1, S_MMA))
+        heads = gl.arange(0, H, layout=gl.SliceLayout(1, _S_MMA))
         gl.store(lse_ptr + t * lse_s0 + heads * lse_s1, lse)
         gl.store(max_ptr + t * max_s0 + heads * max_s1, mx)
-        h_o = gl.arange(0, H, layout=gl.SliceLayout(1, O_MMA))
-        d_o = gl.arange(0, D, layout=gl.SliceLayout(0, O_MMA))
+        h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
+        d_o = gl.arange(0, D, layout=gl.SliceLayout(0, _O_MMA))
         gl.store(o_ptr + t * o_s0 + (h_o * o_s1)[:, None] + d_o[None, :], out)
 
 
@@ -194,23 +197,23 @@ if gluon is not None:
         SC: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [8, 1], [1, 0])
         blk = slot // BS
         off = slot - blk * BS
-        row = blk * page_stride + off * 576
-        scale_at = blk * page_stride + BS * 576 + off * 8
+        row = blk * page_stride + off * _DATA_BYTES
+        scale_at = blk * page_stride + BS * _DATA_BYTES + off * _SCALE_BYTES
         r3 = gl.convert_layout(row, gl.SliceLayout(1, gl.SliceLayout(2, C3)))
         ok3 = gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, C3)))
         qb = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, C3)))
-        col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, C3)))
+        col = gl.arange(0, _QB, layout=gl.SliceLayout(0, gl.SliceLayout(1, C3)))
         async_copy.async_copy_global_to_shared(
-            st_codes, src + r3[:, None, None] + (qb * 64)[None, :, None] + col[None, None, :],
-            mask=ok3[:, None, None] & (qb < 7)[None, :, None])
+            st_codes, src + r3[:, None, None] + (qb * _QB)[None, :, None] + col[None, None, :],
+            mask=ok3[:, None, None] & (qb < _NUM_QB)[None, :, None])
         rr = gl.convert_layout(row, gl.SliceLayout(1, RP))
         okr = gl.convert_layout(ok, gl.SliceLayout(1, RP))
         d = gl.arange(0, 64, layout=gl.SliceLayout(0, RP))
         async_copy.async_copy_global_to_shared(
-            st_rope, (src + rr + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + d[None, :], mask=okr[:, None])
+            st_rope, (src + rr + _NOPE).to(gl.pointer_type(gl.bfloat16))[:, None] + d[None, :], mask=okr[:, None])
         rs = gl.convert_layout(scale_at, gl.SliceLayout(1, SC))
         oks = gl.convert_layout(ok, gl.SliceLayout(1, SC))
-        e = gl.arange(0, 8, layout=gl.SliceLayout(0, SC))
+        e = gl.arange(0, _SCALE_BYTES, layout=gl.SliceLayout(0, SC))
         async_copy.async_copy_global_to_shared(st_scale, src + rs[:, None] + e[None, :], mask=oks[:, None])
 
     @gluon.jit
@@ -230,11 +233,12 @@ if gluon is not None:
         L2: gl.constexpr = gl.BlockedLayout([1, 1, 16], [4, 2, 4], [8, 1, 1], [2, 1, 0])
         L1: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0])
         RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        gl.static_assert((_NUM_QB == 7) & (_QB == 64) & (_NOPE == 448))     # the groups below: 2 + 2 + 2 + 1 blocks
         _nope_store(st_codes, st_scale, buf, 0, 2, L2)
         _nope_store(st_codes, st_scale, buf, 2, 2, L2)
         _nope_store(st_codes, st_scale, buf, 4, 2, L2)
         _nope_store(st_codes, st_scale, buf, 6, 1, L1)
-        buf.slice(448, 64, dim=1).store(st_rope.load(RP))
+        buf.slice(_NOPE, 64, dim=1).store(st_rope.load(RP))
 
     @gluon.jit
     def _stage_step(cache_ptr, x_cache_ptr, page_stride, x_page_stride, slot, ok, is_main, st_codes, st_rope,
