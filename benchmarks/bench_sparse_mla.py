@@ -120,6 +120,22 @@ def _call_decode(q, cache, idx, sink, extra, **out):
                                                  is_fp8_kvcache=True, indices=idx, attn_sink=sink, **extra, **out)
 
 
+def decode_runner(kind: str, batch: int, device, nsets: int = 2):
+    """(run, out, lse) for probes: run(i) calls the op on input set i % nsets of the benchmark's case into the
+    fixed buffers out and lse."""
+    s = Spec(kind, batch)
+    sets = _decode_sets(s, device, nsets)
+    out = torch.empty_like(sets[0][0])
+    lse = torch.empty(batch, s.heads, 1, device=device)
+    ws = torch.empty(torch_dsv4_ops.sparse_mla_workspace_size(batch, 1, s.heads, device), dtype=torch.bfloat16,
+                     device=device)
+
+    def run(i: int) -> None:
+        _call_decode(*sets[i % nsets], out=out, lse=lse, workspace=ws)
+
+    return run, out, lse
+
+
 def dequantized_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Plain torch: bf16 rows [..., 512] of valid int64 `slots` of a [nb, 64, 584] fp8_ds_mla cache (§2.1):
     gather each slot's bytes, then the reference's dequantisation (torch ops, on the cache's device)."""

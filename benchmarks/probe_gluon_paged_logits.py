@@ -18,6 +18,7 @@ import triton
 
 from torch_dsv4_ops import layout, platform
 from torch_dsv4_ops.kernels import mqa_logits_gluon as gluon_kernels
+from torch_dsv4_ops.kernels._launch import PointerAs
 from torch_dsv4_ops.ops import mqa_logits as ops
 
 from . import bench_mqa_logits as bench, harness
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
 
     def run_gluon(j: int, per: int) -> None:
         gluon_kernels.paged_mqa_logits_gluon_kernel[(s.batch, triton.cdiv(width, per))](
-            qs[j].view(torch.uint8), gluon_kernels._Words(cache), ws[j], lens, tables[j], out, s.length, nb,
+            qs[j].view(torch.uint8), PointerAs(cache, torch.int32), ws[j], lens, tables[j], out, s.length, nb,
             cache.stride(0) // 4, width, lens.stride(0), lens.stride(1), tables[j].stride(0), tables[j].stride(1),
             out.stride(0), per, NEXT_N=s.next_n, LENS_2D=True, CLEAN=True, num_warps=4,
             maxnreg=gluon_kernels.MAXNREG)

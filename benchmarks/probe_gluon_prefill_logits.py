@@ -17,6 +17,7 @@ import triton
 
 from torch_dsv4_ops import layout, platform
 from torch_dsv4_ops.kernels import mqa_logits_gluon as gluon_kernels
+from torch_dsv4_ops.kernels._launch import PointerAs
 from torch_dsv4_ops.ops import mqa_logits as ops
 
 from . import bench_mqa_logits as bench, harness
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
 
             def run_gluon(meta=meta, gq=gq):
                 gluon_kernels.mqa_logits_gluon_kernel[(triton.cdiv(m, gq),)](
-                    q.view(torch.uint8), gluon_kernels._Words(k), scale, w, ks, ke, out, m, n, q.stride(0),
+                    q.view(torch.uint8), PointerAs(k, torch.int32), scale, w, ks, ke, out, m, n, q.stride(0),
                     q.stride(1), k.stride(0) // 4, scale.stride(0), w.stride(0), w.stride(1), ks.stride(0),
                     ke.stride(0), out.stride(0), **meta)
 

@@ -14,9 +14,6 @@ import contextlib
 import itertools
 import sys
 
-import torch
-
-import torch_dsv4_ops
 from torch_dsv4_ops.kernels import sparse_mla_gluon as gluon_kernels
 from torch_dsv4_ops.ops import sparse_mla as ops
 
@@ -42,16 +39,7 @@ def main(argv=None) -> int:
     if dev is None:
         return 1
     for kind, batch in CASES:
-        s = bench.Spec(kind, batch)
-        sets = bench._decode_sets(s, dev, 2)
-        out = torch.empty_like(sets[0][0])
-        lse = torch.empty(batch, s.heads, 1, device=dev)
-        ws = torch.empty(torch_dsv4_ops.sparse_mla_workspace_size(batch, 1, s.heads, dev), dtype=torch.bfloat16,
-                         device=dev)
-
-        def run(i: int) -> None:
-            bench._call_decode(*sets[i], out=out, lse=lse, workspace=ws)
-
+        run, out, lse = bench.decode_runner(kind, batch, dev)
         results = {}
         for label, gluon, splits in (("op plan", True, None), ("triton", False, None), ("triton unsplit", False, 1),
                                      ("op unsplit", True, 1)):

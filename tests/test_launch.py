@@ -17,6 +17,7 @@ import triton
 import torch_dsv4_ops.kernels
 from torch_dsv4_ops import library
 from torch_dsv4_ops.kernels import _launch
+from torch_dsv4_ops.ops._plans import ByAlignment
 from torch_dsv4_ops.testing import assert_bitwise_equal
 
 
@@ -206,10 +207,12 @@ def _fast_launchers():
 
 
 def _holds_launch(plan) -> bool:
-    """A Launch, or a plan dataclass with a Launch field (attention's ChunkedPlan)."""
+    """A Launch, a ByAlignment of one, or a plan dataclass with a Launch field (attention's ChunkedPlan)."""
     if isinstance(plan, _launch.Launch):
         return True
-    return dataclasses.is_dataclass(plan) and any(isinstance(getattr(plan, f.name), _launch.Launch)
+    if isinstance(plan, ByAlignment):
+        return _holds_launch(plan.aligned) or _holds_launch(plan.other)
+    return dataclasses.is_dataclass(plan) and any(_holds_launch(getattr(plan, f.name))
                                                   for f in dataclasses.fields(plan))
 
 

@@ -9,14 +9,15 @@ import struct
 
 import pytest
 import torch
+import triton
 
 from oracles import oracle_lookup
-from torch_dsv4_ops import layout
+from torch_dsv4_ops import layout, platform
 from torch_dsv4_ops.kernels import mqa_logits as kernels
 from torch_dsv4_ops.ops import mqa_logits as ops
 from torch_dsv4_ops.ops.indexer import indexer_k_quant_and_cache
-from torch_dsv4_ops.testing import (check_compile, check_cuda_graph, implementation, nonzero_share, poison_,
-                                    run_opcheck, sync_debug_error)
+from torch_dsv4_ops.testing import (check_compile, check_cuda_graph, check_direct_launches, implementation,
+                                    nonzero_share, poison_, run_opcheck, sync_debug_error)
 
 PREFILL = torch.ops.dsv4.fp8_fp4_mqa_logits.default
 PREFILL_OUT = torch.ops.dsv4.fp8_fp4_mqa_logits_out.default
@@ -594,10 +595,30 @@ def test_compile_paged_no_recompile(device):
             assert_logits(step(*args), *c.expected(), True, "compile eager")
 
 
+@pytest.mark.gpu
+def test_gluon_paged_launches_directly(monkeypatch):
+    """Where the Gluon paged path runs, a repeated call of one signature skips Triton's JIT and writes what Triton's
+    public path writes."""
+    from torch_dsv4_ops.kernels import _launch, mqa_logits_gluon as gk
+
+    target = platform.target_for(torch.device("cuda"))
+    if gk.gluon is None or (target.backend, target.arch) != ("cuda", 90) or not _launch.direct_launch_policy()[0] \
+            or _launch.triton_minor(triton.__version__) not in gk.VERIFIED_TRITON:
+        pytest.skip("the Gluon paged path runs on sm_90 with a verified Triton only")
+    case = PagedCase(**PAGED_CASES["n2-h64-bs64-sm90"])
+    args = case.args(torch.device("cuda"))
+    out = torch.empty(case.batch * case.next_n, case.max_len, device="cuda")
+
+    def call():
+        ops.fp8_fp4_paged_mqa_logits((args[0], None), *args[1:5], None, *args[5:], use_fnuz=case.fnuz, out=out)
+        return [out]
+
+    check_direct_launches(gk.PAGED_LAUNCHER, call, monkeypatch, ops._PAGED_PLANS, "Gluon paged logits")
+
+
 def test_gluon_paged_rule():
     """The Gluon path (kernels/mqa_logits_gluon.py) is planned on sm_90 with Triton 3.6 only, for 64 heads, next_n 1
     or 2, 64-key pages, e4m3fn and contiguous q and weights; its grid is about one wave of 4 programs per SM."""
-    from torch_dsv4_ops import platform
     from torch_dsv4_ops.kernels import mqa_logits_gluon as gk
 
     sm90 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 90)
@@ -616,7 +637,6 @@ def test_gluon_paged_rule():
 def test_gluon_prefill_rule():
     """The prefill's Gluon kernel is planned on sm_90 with Triton 3.6 only, for 64 heads, D 128, e4m3fn and k rows a
     multiple of 4 bytes apart."""
-    from torch_dsv4_ops import platform
     from torch_dsv4_ops.kernels import mqa_logits_gluon as gk
 
     sm90 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 90)

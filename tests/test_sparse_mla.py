@@ -27,6 +27,7 @@ import random
 
 import pytest
 import torch
+import triton
 
 import torch_dsv4_ops as d
 from torch_dsv4_ops import layout, platform
@@ -35,8 +36,9 @@ from torch_dsv4_ops.kernels import sparse_mla as kernels
 from torch_dsv4_ops.library import cpu_implementation
 from torch_dsv4_ops.ops import sparse_mla as ops
 from torch_dsv4_ops.ops.sparse_mla import forced_splits
-from torch_dsv4_ops.testing import (assert_close, check_compile, check_cuda_graph, implementation,
-                                    nonzero_share, poison_, run_opcheck, sync_debug_error, triton_cache_entries)
+from torch_dsv4_ops.testing import (assert_close, check_compile, check_cuda_graph, check_direct_launches,
+                                    implementation, nonzero_share, poison_, run_opcheck, sync_debug_error,
+                                    triton_cache_entries)
 
 IMPLS = ["reference", "kernel"]
 D = 512
@@ -465,19 +467,36 @@ def test_decode_unsplit_64_heads(device, name):
     check_decode(case, out, lse, f"{name} [{impl}]")
 
 
+@pytest.mark.gpu
+def test_gluon_decode_launches_directly(monkeypatch):
+    """Where the Gluon decode runs, a repeated call of one signature skips Triton's JIT and writes what Triton's
+    public path writes (host time: eager calls of small batches were bound by it)."""
+    from torch_dsv4_ops.kernels import _launch, sparse_mla_gluon as gk
+
+    target = platform.target_for(torch.device("cuda"))
+    if gk.gluon is None or (target.backend, target.arch) != ("cuda", 90) or not _launch.direct_launch_policy()[0] \
+            or _launch.triton_minor(triton.__version__) not in gk.VERIFIED_TRITON:
+        pytest.skip("the Gluon decode runs on sm_90 with a verified Triton only")
+    case = DecodeCase(UNSPLIT_64_HEADS["h64-c4a-sq2"], torch.device("cuda"))
+    with forced_splits(1):
+        out, lse = check_direct_launches(gk.DECODE_LAUNCHER, lambda: run_decode(case, "kernel"), monkeypatch,
+                                         ops._DECODE_PLANS, "Gluon decode")
+    check_decode(case, out, lse, "Gluon decode, direct launch")
+
+
 def test_gluon_decode_rule():
     """The decode's Gluon kernel is planned on sm_90 with Triton 3.6 only, for 64 heads, OCP caches, q strides that
-    are multiples of 8 elements, at least half an SM count of query rows (or one forced split), lists of at least
+    are multiples of 8 elements, at least 3/8 of an SM count of query rows (or one forced split), lists of at least
     4 steps and a target with the shared memory a program takes."""
     from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
 
     sm90 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 90)
     sm80 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 80)
-    ok = dict(target=sm90, hq=64, q_strides=(64 * 512, 64 * 512, 512, 1), fnuz=(False, False), rows=66,
+    ok = dict(target=sm90, hq=64, q_strides=(64 * 512, 64 * 512, 512, 1), fnuz=(False, False), rows=50,
               positions=256, multiprocessor_count=132, version="3.6.0")
     assert gk.decode_planned(**ok) == (gk.gluon is not None)
     assert gk.decode_planned(**{**ok, "rows": 4, "forced": 1}) == (gk.gluon is not None)
-    for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=128), dict(fnuz=(False, True)), dict(rows=65),
+    for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=128), dict(fnuz=(False, True)), dict(rows=49),
                    dict(positions=255), dict(forced=2), dict(q_strides=(64 * 516, 64 * 516, 516, 1))):
         assert not gk.decode_planned(**{**ok, **change}), change
 

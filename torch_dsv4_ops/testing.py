@@ -228,6 +228,31 @@ def triton_cache_entries(kernel) -> int:
     return sum(len(entry[0]) for entry in caches.values())
 
 
+def check_direct_launches(launcher, call: Callable[[], Sequence[torch.Tensor]], monkeypatch, plans: dict,
+                          what: str) -> Sequence[torch.Tensor]:
+    """A FastLauncher's launches (kernels/_launch.py) of one signature: after two calls of `call` (the first
+    compiles), a third does not enter Triton's JIT, and writes the bytes Triton's public path writes (run with a
+    fresh plan cache `plans`, which must then enter the JIT: the call does use this launcher). Returns the third
+    call's outputs. `monkeypatch`: pytest's fixture."""
+    call()
+    call()
+    torch.cuda.synchronize()
+    entered = []
+    jit_run = launcher.fn.run
+    monkeypatch.setattr(launcher.fn, "run", lambda *a, **k: (entered.append(1), jit_run(*a, **k))[1])
+    direct = [t.clone() for t in call()]
+    torch.cuda.synchronize()
+    assert entered == [], f"{what}: a repeated launch went through Triton's JIT"
+    monkeypatch.setattr(launcher, "_policy", (False, None))
+    plans.clear()
+    public = call()
+    torch.cuda.synchronize()
+    assert entered, f"{what}: the public path did not enter this launcher's kernel"
+    for i, (a, b) in enumerate(zip(direct, public)):
+        assert_bitwise_equal(a, b, f"{what}: output {i}, direct vs public launch")
+    return direct
+
+
 def nonzero_share(t: torch.Tensor) -> float:
     """Fraction of non-zero bytes: guards against fp8 caches that silently hold only zeros."""
     b = as_bytes(t.cpu())

@@ -50,6 +50,16 @@ class PointerAs:
         return self.address
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype):
+    """t viewed as dtype; a `PointerAs` where no view exists (a uint8 cache of odd strides read as int32 words)."""
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        if platform.INTERPRET:
+            raise
+        return PointerAs(t, dtype)
+
+
 def triton_minor(version: str) -> str:
     """"3.6.0" -> "3.6"."""
     return ".".join(version.split("+")[0].split(".")[:2])
@@ -187,8 +197,9 @@ class Launch:
         self._ready = None
 
     def arguments(self, tensors) -> tuple:
-        """The runtime arguments of Triton's public path: the tensors viewed as `dtypes`, then the ints."""
-        return tuple(t if t.dtype == d else t.view(d) for t, d in zip(tensors, self.dtypes)) + self.ints
+        """The runtime arguments of Triton's public path: the tensors viewed as `dtypes` (as typed addresses where
+        a view is impossible, off the interpreter, which needs tensors), then the ints."""
+        return tuple(t if t.dtype == d else _as(t, d) for t, d in zip(tensors, self.dtypes)) + self.ints
 
     def public(self, tensors):
         """Launch through Triton's JIT (`kernel[grid](...)`); returns Triton's compiled kernel."""

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import layout, platform
-from ._launch import PointerAs, triton_minor
+from ._launch import FastLauncher, triton_minor
 
 try:
     from triton.experimental import gluon
@@ -319,41 +319,35 @@ if gluon is not None:
                                  mask=(n < n_keys) & (m0 + j < n_queries))
 
 
-def _Words(t: torch.Tensor) -> PointerAs:
-    """The cache's (or k's) address as an int32 pointer argument: its rows are read as int32 words."""
-    return PointerAs(t, torch.int32)
+if gluon is not None:
+    PAGED_LAUNCHER = FastLauncher(paged_mqa_logits_gluon_kernel)
+    PREFILL_LAUNCHER = FastLauncher(mqa_logits_gluon_kernel)
+
 
 
 def bind(q, context_lens, block_tables, out, num_blocks: int, page_stride: int, max_len: int, clean: bool,
          multiprocessor_count: int):
     """The launch of a call `planned` accepted, with its grid, ints and constexprs worked out once (they follow from
     the call's signature): a callable of (q, kv_cache, weights, context_lens, block_tables, out). page_stride:
-    bytes, a multiple of 4; the cache 4-byte aligned. Launched through Triton's own path."""
+    bytes, a multiple of 4; the cache 4-byte aligned. A `FastLauncher` launch: Triton's JIT only on the first call."""
     batch, next_n = q.shape[0], q.shape[1]
     n_splits, per = splits(batch, max_len, multiprocessor_count)
     lens_2d = context_lens.dim() == 2
     c_s0, c_s1 = context_lens.stride() if lens_2d else (context_lens.stride(0), 0)
     ints = (max_len, num_blocks, page_stride // 4, block_tables.shape[1], c_s0, c_s1, block_tables.stride(0),
             block_tables.stride(1), out.stride(0), per)
-    kernel = paged_mqa_logits_gluon_kernel[(batch, n_splits)]
     meta = dict(NEXT_N=next_n, LENS_2D=lens_2d, CLEAN=clean, num_warps=4, maxnreg=MAXNREG)
-
-    def launch(q, kv_cache, weights, context_lens, block_tables, out):
-        kernel(q.view(torch.uint8), _Words(kv_cache), weights, context_lens, block_tables, out, *ints, **meta)
-
-    return launch
+    # q's fp8 codes as bytes, the cache's rows as int32 words, the rest as they are (a table of int32 or int64)
+    dtypes = (torch.uint8, torch.int32, torch.float32, context_lens.dtype, block_tables.dtype, out.dtype)
+    return PAGED_LAUNCHER.bind((batch, n_splits), dtypes, ints, meta, q.device)
 
 
 def bind_prefill(q, k, k_scale, weights, ks, ke, out, clean: bool):
     """The launch of a prefill call `prefill_planned` accepted, worked out once: a callable of (q, k, k_scale,
-    weights, ks, ke, out) for k at a 4-byte aligned address. Launched through Triton's own path."""
+    weights, ks, ke, out) for k at a 4-byte aligned address (a `FastLauncher` launch)."""
     m = q.shape[0]
     ints = (m, k.shape[0], q.stride(0), q.stride(1), k.stride(0) // 4, k_scale.stride(0), weights.stride(0),
             weights.stride(1), ks.stride(0), ke.stride(0), out.stride(0))
-    kernel = mqa_logits_gluon_kernel[(triton.cdiv(m, PREFILL_QUERIES),)]
     meta = dict(GQ=PREFILL_QUERIES, CLEAN=clean, num_warps=PREFILL_WARPS, maxnreg=PREFILL_MAXNREG)
-
-    def launch(q, k, k_scale, weights, ks, ke, out):
-        kernel(q.view(torch.uint8), _Words(k), k_scale, weights, ks, ke, out, *ints, **meta)
-
-    return launch
+    dtypes = (torch.uint8, torch.int32, k_scale.dtype, weights.dtype, ks.dtype, ke.dtype, out.dtype)
+    return PREFILL_LAUNCHER.bind((triton.cdiv(m, PREFILL_QUERIES),), dtypes, ints, meta, q.device)

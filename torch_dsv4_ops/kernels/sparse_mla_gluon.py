@@ -15,7 +15,7 @@ Online softmax in base 2 as the Triton kernel's; the sink enters the denominator
   benchmark's case (the Triton kernel 31-33 %).
 * Decode (`sparse_mla_decode_gluon_kernel`): each step's cache bytes (codes, RoPE, scale bytes) are copied with
   `cp.async` into one of two staging buffers two steps ahead, then dequantised exactly (codes x 2^(byte - 127))
-  into the row buffer. One program per query row, unsplit: planned where B·s_q is at least half the SM count and
+  into the row buffer. One program per query row, unsplit: planned where B·s_q is at least 3/8 of the SM count and
   the rows' lists hold at least 4 steps; fewer rows keep the Triton kernel's split plan and its combine, shorter
   lists its lower fixed cost (NOTES.md "Sparse MLA decode in Gluon").
 
@@ -30,7 +30,7 @@ import torch
 import triton
 
 from .. import layout, platform
-from ._launch import PointerAs, triton_minor
+from ._launch import FastLauncher, triton_minor
 
 try:
     from triton.experimental import gluon
@@ -361,20 +361,34 @@ if gluon is not None:
         gl.store(o_ptr + b * o_s0 + j * o_s1 + (h_o * o_s2)[:, None] + d_o[None, :], out)
 
 
+if gluon is not None:
+    PREFILL_LAUNCHER = FastLauncher(sparse_mla_prefill_gluon_kernel)
+    DECODE_LAUNCHER = FastLauncher(sparse_mla_decode_gluon_kernel)
+
+
+
+def _dtype(t, absent: torch.dtype) -> torch.dtype:
+    """An optional tensor's dtype; `absent`: its placeholder's (the op passes int32 indices for absent lengths,
+    the fp32 lse for an absent sink)."""
+    return t.dtype if t is not None else absent
+
+
 def bind_prefill(q, kv, indices, sm_scale: float, topk_length, attn_sink, out, max_logits, lse):
     """The launch of a prefill call `prefill_planned` accepted, worked out once: a callable of the Triton kernel's
     twelve tensors (q, kv, indices, lengths, kv, indices, lengths, sink, out, lse, max_logits, lse), for q and kv at
-    16-byte aligned addresses. Launched through Triton's own path."""
+    16-byte aligned addresses (a `FastLauncher` launch: Triton's JIT only on the first call)."""
     tokens = q.shape[0]
     ints = (tokens, float(sm_scale), indices.shape[2], kv.shape[0], kv.stride(0) // 8, q.stride(0) // 8,
             q.stride(1) // 8, indices.stride(0), indices.stride(2),
             topk_length.stride(0) if topk_length is not None else 0, out.stride(0), out.stride(1), lse.stride(0),
             lse.stride(1), max_logits.stride(0), max_logits.stride(1))
-    kernel = sparse_mla_prefill_gluon_kernel[(tokens,)]
     meta = dict(HAS_LEN=topk_length is not None, SINKS=attn_sink is not None, num_warps=WARPS)
+    dtypes = (q.dtype, kv.dtype, indices.dtype, _dtype(topk_length, indices.dtype), _dtype(attn_sink, lse.dtype),
+              out.dtype, lse.dtype, max_logits.dtype)
+    fast = PREFILL_LAUNCHER.bind((tokens,), dtypes, ints, meta, q.device)
 
     def launch(q, kv, indices, lens, _kv, _indices, _lens, sink, out, lse, max_logits, _lse):
-        kernel(q, kv, indices, lens, sink, out, lse, max_logits, *ints, **meta)
+        fast(q, kv, indices, lens, sink, out, lse, max_logits)
 
     return launch
 
@@ -386,12 +400,13 @@ def decode_planned(target: platform.Target, hq: int, q_strides: tuple, fnuz: tup
                    multiprocessor_count: int, forced: int | None = None, version: str = triton.__version__) -> bool:
     """Whether a decode call runs the Gluon kernel, unsplit: sm_90, Triton 3.6, 64 heads, OCP caches (`fnuz`: each
     cache's flag), q strides multiples of 8 elements, the target's shared memory enough for a program, B·s_q
-    `rows` at least half the SM count and `positions` (W + K index columns) of at least MIN_DECODE_STEPS steps.
-    Fewer rows keep the Triton kernel's split plan, shorter lists its lower fixed cost per row (H100, NOTES.md
-    "Sparse MLA decode in Gluon": C4A B = 128 / 256 74 / 122 us against 99 / 180; SWA-only B = 256, 2 steps a row,
-    52-92 us against 53; C4A B = 64 unsplit 59-69 us against 64 split). `forced`
-    (`ops.sparse_mla.forced_splits`): 1 takes this kernel whatever the rows, more the Triton kernel."""
-    wide = forced == 1 or (forced is None and 2 * rows >= multiprocessor_count)
+    `rows` at least 3/8 of the SM count and `positions` (W + K index columns) of at least MIN_DECODE_STEPS steps.
+    Fewer rows keep the Triton kernel's split plan, shorter lists its lower fixed cost per row (H100, CUDA-graph
+    replay, NOTES.md "Gluon launches": C4A B = 40 / 48 / 56 / 64 / 96 unsplit 52.6 / 53.3 / 53.4 / 54.1 / 57.6 us
+    against 47.6 / 52.6 / 54.8 / 57.9 / 85.6 for the Triton plan; "Sparse MLA decode in Gluon": B = 256 121
+    against 180; SWA-only B = 256, 2 steps a row, no faster). `forced` (`ops.sparse_mla.forced_splits`): 1 takes
+    this kernel whatever the rows, more the Triton kernel."""
+    wide = forced == 1 or (forced is None and 8 * rows >= 3 * multiprocessor_count)
     return (gluon is not None and triton_minor(version) in VERIFIED_TRITON and target.backend == "cuda"
             and target.arch == 90 and hq == HEADS and layout.HEAD_DIM == 512 and not any(fnuz) and wide
             and positions >= MIN_DECODE_STEPS * 64 and all(s % 8 == 0 for s in q_strides[:3])
@@ -402,8 +417,8 @@ def bind_decode(q, indices, extra_indices, topk_length, extra_topk_length, attn_
                 main, extra):
     """The launch of a decode call `decode_planned` accepted (grid B·s_q): a callable of the Triton kernel's twelve
     tensors (q, cache, indices, lengths, extra cache, extra indices, extra lengths, sink, out, lse, lse, partials),
-    for q at a 16-byte aligned address. main / extra: the caches' (num_blocks, bs, page stride)
-    (`ops.sparse_mla.CacheInfo`)."""
+    for q at a 16-byte aligned address (a `FastLauncher` launch). main / extra: the caches' (num_blocks, bs, page
+    stride) (`ops.sparse_mla.CacheInfo`)."""
     batch, s_q = q.shape[0], q.shape[1]
     xi = extra_indices if extra is not None else indices
     ints = (s_q, float(softmax_scale), indices.shape[2], xi.shape[2] if extra is not None else 0,
@@ -411,13 +426,16 @@ def bind_decode(q, indices, extra_indices, topk_length, extra_topk_length, attn_
             extra.page_stride if extra is not None else main.page_stride, q.stride(0) // 8, q.stride(1) // 8,
             q.stride(2) // 8, *indices.stride(), *xi.stride(), topk_length.stride(0) if topk_length is not None else 0,
             extra_topk_length.stride(0) if extra_topk_length is not None else 0, *out.stride()[:3], *lse.stride())
-    kernel = sparse_mla_decode_gluon_kernel[(batch * s_q,)]
     meta = dict(BS=main.bs, X_BS=extra.bs if extra is not None else main.bs, EXTRA=extra is not None,
                 HAS_LEN=topk_length is not None, HAS_X_LEN=extra_topk_length is not None and extra is not None,
                 SINKS=attn_sink is not None, num_warps=WARPS)
+    # the caches as bytes whatever their dtype
+    dtypes = (q.dtype, torch.uint8, indices.dtype, _dtype(topk_length, indices.dtype), torch.uint8, xi.dtype,
+              _dtype(extra_topk_length, indices.dtype), _dtype(attn_sink, lse.dtype),
+              out.dtype, lse.dtype)
+    fast = DECODE_LAUNCHER.bind((batch * s_q,), dtypes, ints, meta, q.device)
 
     def launch(q, cache, indices, lens, x_cache, x_indices, x_lens, sink, out, lse, _lse, _part):
-        kernel(q, PointerAs(cache, torch.uint8), indices, lens, PointerAs(x_cache, torch.uint8), x_indices, x_lens,
-               sink, out, lse, *ints, **meta)
+        fast(q, cache, indices, lens, x_cache, x_indices, x_lens, sink, out, lse)
 
     return launch
