@@ -443,9 +443,10 @@ def test_decode_wide_shapes(device, name):
     check_decode(case, out, lse, f"{name} [{impl}]")
 
 
-# Calls that do not split, at 64 heads: the sm_90 Gluon decode (kernels/sparse_mla_gluon.py) where it is planned
-# (on the CPU the reference). Hostile lengths, NaN-poisoned unused pages, a float8 cache, infinite sinks.
-UNSPLIT_64_HEADS = {
+# Calls at 64 heads: the sm_90 Gluon decode (kernels/sparse_mla_gluon.py) where it is planned (on the CPU the
+# reference), forced unsplit and as the op plans it (on an H100 split into 5, some splits of the shorter rows
+# empty). Hostile lengths, NaN-poisoned unused pages, a float8 cache, infinite sinks.
+GLUON_64_HEADS = {
     "h64-c4a-sq2": DecodeSpec(hq=64, batch=6, s_q=2, width=128, extra_width=160, nb=4, x_nb=5,
                               lens=("full", "part", "one", "zero", "over", "neg"),
                               x_lens=("part", "full", "zero", "one", "full", "over"), seed=140),
@@ -454,17 +455,18 @@ UNSPLIT_64_HEADS = {
 }
 
 
-@pytest.mark.parametrize("name", list(UNSPLIT_64_HEADS))
-def test_decode_unsplit_64_heads(device, name):
+@pytest.mark.parametrize("splits", [1, None], ids=["unsplit", "op-plan"])
+@pytest.mark.parametrize("name", list(GLUON_64_HEADS))
+def test_decode_64_heads(device, name, splits):
     from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
 
     impl = "reference" if device.type == "cpu" else "kernel"
-    case = DecodeCase(UNSPLIT_64_HEADS[name], device)
+    case = DecodeCase(GLUON_64_HEADS[name], device)
     assert case.spec.width + case.spec.extra_width >= gk.MIN_DECODE_STEPS * 64     # long enough for the Gluon path
+    assert case.spec.batch * case.spec.s_q > kernels.SMALL_DECODE_ROWS
     assert_coverage(case)
-    with forced_splits(1):
-        out, lse = run_decode(case, impl)
-    check_decode(case, out, lse, f"{name} [{impl}]")
+    out, lse = run_decode(case, impl, splits)
+    check_decode(case, out, lse, f"{name} [{impl}, splits {splits}]")
 
 
 @pytest.mark.gpu
@@ -477,7 +479,7 @@ def test_gluon_decode_launches_directly(monkeypatch):
     if gk.gluon is None or (target.backend, target.arch) != ("cuda", 90) or not _launch.direct_launch_policy()[0] \
             or _launch.triton_minor(triton.__version__) not in gk.VERIFIED_TRITON:
         pytest.skip("the Gluon decode runs on sm_90 with a verified Triton only")
-    case = DecodeCase(UNSPLIT_64_HEADS["h64-c4a-sq2"], torch.device("cuda"))
+    case = DecodeCase(GLUON_64_HEADS["h64-c4a-sq2"], torch.device("cuda"))
     with forced_splits(1):
         out, lse = check_direct_launches(gk.DECODE_LAUNCHER, lambda: run_decode(case, "kernel"), monkeypatch,
                                          ops._DECODE_PLANS, "Gluon decode")
@@ -486,18 +488,19 @@ def test_gluon_decode_launches_directly(monkeypatch):
 
 def test_gluon_decode_rule():
     """The decode's Gluon kernel is planned on sm_90 with Triton 3.6 only, for 64 heads, OCP caches, q strides that
-    are multiples of 8 elements, at least 3/8 of an SM count of query rows (or one forced split), lists of at least
-    4 steps and a target with the shared memory a program takes."""
+    are multiples of 8 elements, more than SMALL_DECODE_ROWS query rows (or one forced split), lists of at least 4
+    steps and a target with the shared memory a program takes."""
     from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
 
     sm90 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 90)
     sm80 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 80)
-    ok = dict(target=sm90, hq=64, q_strides=(64 * 512, 64 * 512, 512, 1), fnuz=(False, False), rows=50,
-              positions=256, multiprocessor_count=132, version="3.6.0")
+    ok = dict(target=sm90, hq=64, q_strides=(64 * 512, 64 * 512, 512, 1), fnuz=(False, False),
+              rows=kernels.SMALL_DECODE_ROWS + 1, positions=256, version="3.6.0")
     assert gk.decode_planned(**ok) == (gk.gluon is not None)
-    assert gk.decode_planned(**{**ok, "rows": 4, "forced": 1}) == (gk.gluon is not None)
-    for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=128), dict(fnuz=(False, True)), dict(rows=49),
-                   dict(positions=255), dict(forced=2), dict(q_strides=(64 * 516, 64 * 516, 516, 1))):
+    assert gk.decode_planned(**{**ok, "rows": 1, "forced": 1}) == (gk.gluon is not None)
+    for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=128), dict(fnuz=(False, True)),
+                   dict(rows=kernels.SMALL_DECODE_ROWS), dict(positions=255), dict(forced=2),
+                   dict(q_strides=(64 * 516, 64 * 516, 516, 1))):
         assert not gk.decode_planned(**{**ok, **change}), change
 
 
@@ -1394,30 +1397,31 @@ def test_compile_prefill_64_heads_no_recompile():
 # ================================================================================================
 # GPU only: CUDA graphs, sync-free eager calls, benchmark-sized decode
 # ================================================================================================
-def _graph_cases(splits: int | None, hq: int = 16):
+def _graph_cases(splits: int | None, hq: int = 16, batch: int = 4):
     lens = [("full", "part", "one", "zero"), ("one", "over", "full", "part"), ("zero", "full", "neg", "full")]
-    return [DecodeCase(DecodeSpec(batch=4, hq=hq, width=128, extra_width=128, nb=4, x_nb=5, lens=lens[i],
-                                  x_lens=lens[(i + 1) % 3], seed=120 + i + 10 * (splits or 0) + hq), "cuda")
+    lens = [tuple(row[k % len(row)] for k in range(batch)) for row in lens]
+    return [DecodeCase(DecodeSpec(batch=batch, hq=hq, width=128, extra_width=128, nb=4, x_nb=5, lens=lens[i],
+                                  x_lens=lens[(i + 1) % 3], seed=120 + i + 10 * (splits or 0) + hq + batch), "cuda")
             for i in range(3)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,hq", [(None, 16), (3, 16), (1, 64)],
-                         ids=["auto-splits", "forced-3", "unsplit-h64"])
-def test_cuda_graph_decode_replay(splits, hq):
+@pytest.mark.parametrize("splits,hq,batch", [(None, 16, 4), (3, 16, 4), (1, 64, 4), (None, 64, 6)],
+                         ids=["auto-splits", "forced-3", "unsplit-h64", "auto-h64"])
+def test_cuda_graph_decode_replay(splits, hq, batch):
     """Decode with out/lse/workspace given, captured once; replayed with new q, indices, lengths and cache contents
-    copied into the same buffers: equal to eager bit for bit, and eager equals the oracle. Unsplit at 64 heads:
-    the sm_90 Gluon kernel where it is planned."""
-    cases = _graph_cases(splits, hq)
+    copied into the same buffers: equal to eager bit for bit, and eager equals the oracle. At 64 heads the sm_90
+    Gluon kernel where it is planned: unsplit, and split (6 rows) with the combine."""
+    cases = _graph_cases(splits, hq, batch)
 
     def ctx():
         return forced_splits(splits) if splits else contextlib.nullcontext()
 
     with ctx():
-        size = d.sparse_mla_workspace_size(4, 1, hq, "cuda")
+        size = d.sparse_mla_workspace_size(batch, 1, hq, "cuda")
 
     def buffers(c):
-        lse = poison_(torch.empty(4, 1, hq, device="cuda")).transpose(1, 2)
+        lse = poison_(torch.empty(batch, 1, hq, device="cuda")).transpose(1, 2)
         return [c.q, c.main.tensor, c.extra.tensor, c.idx, c.lens, c.x_idx, c.x_lens, c.sink,
                 poison_(torch.empty_like(c.q)), lse, poison_(torch.empty(size, dtype=torch.bfloat16, device="cuda"))]
 

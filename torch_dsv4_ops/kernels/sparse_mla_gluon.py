@@ -15,9 +15,10 @@ Online softmax in base 2 as the Triton kernel's; the sink enters the denominator
   benchmark's case (the Triton kernel 31-33 %).
 * Decode (`sparse_mla_decode_gluon_kernel`): each step's cache bytes (codes, RoPE, scale bytes) are copied with
   `cp.async` into one of two staging buffers two steps ahead, then dequantised exactly (codes x 2^(byte - 127))
-  into the row buffer. One program per query row, unsplit: planned where B·s_q is at least 3/8 of the SM count and
-  the rows' lists hold at least 4 steps; fewer rows keep the Triton kernel's split plan and its combine, shorter
-  lists its lower fixed cost (NOTES.md "Sparse MLA decode in Gluon").
+  into the row buffer. Program (row, split) over its split's share of the row's steps, split as the Triton kernel
+  would be into the same partials for the same combine: planned for calls of more than 4 rows whose lists hold
+  at least 4 steps; up to 4 rows keep the Triton kernel's small-batch plan, shorter lists its lower fixed cost
+  (NOTES.md "Sparse MLA decode in Gluon", "Gluon launches").
 
 `prefill_planned` / `decode_planned` say when these paths run: sm_90, Triton 3.6 (Gluon's API moves between
 versions), 64 heads, q strides (and kv's row stride) multiples of 8 elements, q (and kv) 16-byte aligned (16-byte
@@ -31,6 +32,7 @@ import triton
 
 from .. import layout, platform
 from ._launch import FastLauncher, triton_minor
+from .sparse_mla import SMALL_DECODE_ROWS
 
 try:
     from triton.experimental import gluon
@@ -268,17 +270,19 @@ if gluon is not None:
             slot, ok = _slots(idx_row, i_s2, tile, n_main, num_rows, rows, 64)
         return slot, ok, is_main
 
-    @gluon.jit(do_not_specialize=("s_q", "width", "x_width", "num_rows", "x_num_rows"))
+    @gluon.jit(do_not_specialize=("s_q", "width", "x_width", "num_rows", "x_num_rows", "ml_base"))
     def sparse_mla_decode_gluon_kernel(q_ptr, cache_ptr, idx_ptr, len_ptr, x_cache_ptr, x_idx_ptr, x_len_ptr,
-                                       sink_ptr, o_ptr, lse_ptr, s_q, sm_scale, width, x_width, num_rows,
-                                       x_num_rows, page_stride, x_page_stride, q_s08, q_s18, q_s28, i_s0, i_s1,
-                                       i_s2, x_s0, x_s1, x_s2, len_s, x_len_s, o_s0, o_s1, o_s2, lse_s0, lse_s1,
-                                       lse_s2, BS: gl.constexpr, X_BS: gl.constexpr, EXTRA: gl.constexpr,
-                                       HAS_LEN: gl.constexpr, HAS_X_LEN: gl.constexpr, SINKS: gl.constexpr):
-        """Program t: query row t = (b, j) of B x s_q, all 64 heads, every step of the row's list
-        [main indices[:len] | extra indices[:len_x]] (an unsplit call): each step's cache bytes are copied into a
-        staging buffer two steps ahead (`cp.async`), dequantised from it into the row buffer, then the prefill
-        kernel's products; out and lse. q strides in units of 8 elements (8 * q_s08, ...)."""
+                                       sink_ptr, o_ptr, lse_ptr, part_ptr, s_q, sm_scale, width, x_width, num_rows,
+                                       x_num_rows, page_stride, x_page_stride, ml_base, q_s08, q_s18, q_s28, i_s0,
+                                       i_s1, i_s2, x_s0, x_s1, x_s2, len_s, x_len_s, o_s0, o_s1, o_s2, lse_s0,
+                                       lse_s1, lse_s2, BS: gl.constexpr, X_BS: gl.constexpr, EXTRA: gl.constexpr,
+                                       HAS_LEN: gl.constexpr, HAS_X_LEN: gl.constexpr, SINKS: gl.constexpr,
+                                       SPLIT: gl.constexpr):
+        """Program (t, split): query row t = (b, j) of B x s_q, all 64 heads, its split's share of the steps of the
+        row's list [main indices[:len] | extra indices[:len_x]]: each step's cache bytes are copied into a staging
+        buffer two steps ahead (`cp.async`), dequantised from it into the row buffer, then the prefill kernel's
+        products. Unsplit: out and lse; SPLIT: the Triton kernel's partials (unnormalised acc, running max and sum,
+        which `sparse_mla.combine_kernel` merges). q strides in units of 8 elements (8 * q_s08, ...)."""
         gl.static_assert(gl.num_warps() == 8)
         D: gl.constexpr = 512
         H: gl.constexpr = 64
@@ -299,6 +303,11 @@ if gluon is not None:
             if HAS_X_LEN:
                 n_x = gl.minimum(gl.maximum(gl.load(x_len_ptr + b * x_len_s), 0), x_width)
             tiles += gl.cdiv(n_x, BN)
+        split = gl.program_id(1)
+        splits = gl.num_programs(1)
+        per = gl.cdiv(tiles, splits)
+        t_lo = split * per
+        t_hi = gl.minimum(t_lo + per, tiles)
         idx_row = idx_ptr + b * i_s0 + j * i_s1
         x_row = x_idx_ptr + b * x_s0 + j * x_s1
 
@@ -318,25 +327,25 @@ if gluon is not None:
         scale = sm_scale * 1.4426950408889634
         rows = gl.arange(0, BN, layout=R1)
         # rows staged two steps ahead: step t's copies are issued once step t - 2's staged bytes are dequantised
-        slot, ok_a, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, 0, tiles_main, n_main, n_x, num_rows,
+        slot, ok_a, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, t_lo, tiles_main, n_main, n_x, num_rows,
                                           x_num_rows, rows, EXTRA)
-        ok_a = ok_a & (0 < tiles)
+        ok_a = ok_a & (t_lo < t_hi)
         _stage_step(cache_ptr, x_cache_ptr, page_stride, x_page_stride, slot, ok_a, is_main, st_codes.index(0),
                     st_rope.index(0), st_scale.index(0), BS, X_BS, EXTRA)
-        slot, ok_b, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, 1, tiles_main, n_main, n_x, num_rows,
+        slot, ok_b, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, t_lo + 1, tiles_main, n_main, n_x, num_rows,
                                           x_num_rows, rows, EXTRA)
-        ok_b = ok_b & (1 < tiles)
+        ok_b = ok_b & (t_lo + 1 < t_hi)
         _stage_step(cache_ptr, x_cache_ptr, page_stride, x_page_stride, slot, ok_b, is_main, st_codes.index(1),
                     st_rope.index(1), st_scale.index(1), BS, X_BS, EXTRA)
         m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
         l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
         acc = warpgroup_mma_init(gl.zeros([H, D], gl.float32, _O_MMA))
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
-        for tile in range(0, tiles):
-            sb = tile % 2
+        for tile in range(t_lo, t_hi):
+            sb = (tile - t_lo) % 2
             slot, ok_c, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, tile + 2, tiles_main, n_main, n_x,
                                               num_rows, x_num_rows, rows, EXTRA)
-            ok_c = ok_c & (tile + 2 < tiles)
+            ok_c = ok_c & (tile + 2 < t_hi)
             async_copy.wait_group(1)         # step tile's group (and Q's) landed; step tile + 1's may still fly
             acc = warpgroup_mma_wait(0, deps=[acc])
             gl.thread_barrier()              # every thread's copies visible; both warpgroups done with kvb
@@ -356,9 +365,17 @@ if gluon is not None:
         heads = gl.arange(0, H, layout=gl.SliceLayout(1, _S_MMA))
         h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
         d_o = gl.arange(0, D, layout=gl.SliceLayout(0, _O_MMA))
-        out, lse, _ = _finish(acc, m_i, l_i, sink_ptr, SINKS)
-        gl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + j * lse_s2, lse)
-        gl.store(o_ptr + b * o_s0 + j * o_s1 + (h_o * o_s2)[:, None] + d_o[None, :], out)
+        if SPLIT:
+            # partials of (t, h, split): acc at ((t*64 + h)*splits + split)*D, (max, sum) at ml_base + 2*that row
+            prow = (t * H + h_o) * splits + split
+            gl.store(part_ptr + (prow * D)[:, None] + d_o[None, :], acc)
+            prow = (t * H + heads) * splits + split
+            gl.store(part_ptr + ml_base + 2 * prow, m_i)
+            gl.store(part_ptr + ml_base + 2 * prow + 1, l_i)
+        else:
+            out, lse, _ = _finish(acc, m_i, l_i, sink_ptr, SINKS)
+            gl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + j * lse_s2, lse)
+            gl.store(o_ptr + b * o_s0 + j * o_s1 + (h_o * o_s2)[:, None] + d_o[None, :], out)
 
 
 if gluon is not None:
@@ -397,45 +414,47 @@ MIN_DECODE_STEPS = 4                 # index columns (main + extra) of at least 
 
 
 def decode_planned(target: platform.Target, hq: int, q_strides: tuple, fnuz: tuple, rows: int, positions: int,
-                   multiprocessor_count: int, forced: int | None = None, version: str = triton.__version__) -> bool:
-    """Whether a decode call runs the Gluon kernel, unsplit: sm_90, Triton 3.6, 64 heads, OCP caches (`fnuz`: each
-    cache's flag), q strides multiples of 8 elements, the target's shared memory enough for a program, B·s_q
-    `rows` at least 3/8 of the SM count and `positions` (W + K index columns) of at least MIN_DECODE_STEPS steps.
-    Fewer rows keep the Triton kernel's split plan, shorter lists its lower fixed cost per row (H100, CUDA-graph
-    replay, NOTES.md "Gluon launches": C4A B = 40 / 48 / 56 / 64 / 96 unsplit 52.6 / 53.3 / 53.4 / 54.1 / 57.6 us
-    against 47.6 / 52.6 / 54.8 / 57.9 / 85.6 for the Triton plan; "Sparse MLA decode in Gluon": B = 256 121
-    against 180; SWA-only B = 256, 2 steps a row, no faster). `forced` (`ops.sparse_mla.forced_splits`): 1 takes
-    this kernel whatever the rows, more the Triton kernel."""
-    wide = forced == 1 or (forced is None and 8 * rows >= 3 * multiprocessor_count)
+                   forced: int | None = None, version: str = triton.__version__) -> bool:
+    """Whether a decode call runs the Gluon kernel: sm_90, Triton 3.6, 64 heads, OCP caches (`fnuz`: each cache's
+    flag), q strides multiples of 8 elements, the target's shared memory enough for a program, more than
+    SMALL_DECODE_ROWS query rows (B·s_q; fewer take the Triton kernel's small-batch plan of 16-head blocks) and
+    `positions` (W + K index columns) of at least MIN_DECODE_STEPS steps (shorter lists keep the Triton kernel's
+    lower fixed cost per row: SWA-only B = 256, 2 steps a row, no faster in Gluon). It splits the rows as the Triton
+    kernel would (`sparse_mla.decode_splits`: one wave of programs) into the same partials and combine (H100,
+    CUDA-graph replay, NOTES.md "Gluon launches": C4A B = 8 / 16 / 32 / 48 16.4 / 22.9 / 30.2 / 37.5 us against
+    22.1 / 33.0 / 43.1 / 52.8 for the Triton kernel). `forced` (`ops.sparse_mla.forced_splits`): 1 takes this
+    kernel unsplit whatever the rows, more the Triton kernel."""
+    rows_ok = forced == 1 or (forced is None and rows > SMALL_DECODE_ROWS)
     return (gluon is not None and triton_minor(version) in VERIFIED_TRITON and target.backend == "cuda"
-            and target.arch == 90 and hq == HEADS and layout.HEAD_DIM == 512 and not any(fnuz) and wide
+            and target.arch == 90 and hq == HEADS and layout.HEAD_DIM == 512 and not any(fnuz) and rows_ok
             and positions >= MIN_DECODE_STEPS * 64 and all(s % 8 == 0 for s in q_strides[:3])
             and platform.shared_memory_limit(target) >= DECODE_SHARED_MEMORY)
 
 
 def bind_decode(q, indices, extra_indices, topk_length, extra_topk_length, attn_sink, out, lse, softmax_scale,
-                main, extra):
-    """The launch of a decode call `decode_planned` accepted (grid B·s_q): a callable of the Triton kernel's twelve
-    tensors (q, cache, indices, lengths, extra cache, extra indices, extra lengths, sink, out, lse, lse, partials),
-    for q at a 16-byte aligned address (a `FastLauncher` launch). main / extra: the caches' (num_blocks, bs, page
-    stride) (`ops.sparse_mla.CacheInfo`)."""
+                main, extra, splits: int, ml_base: int):
+    """The launch of a decode call `decode_planned` accepted (grid B·s_q x splits): a callable of the Triton
+    kernel's twelve tensors (q, cache, indices, lengths, extra cache, extra indices, extra lengths, sink, out, lse,
+    lse, partials), for q at a 16-byte aligned address (a `FastLauncher` launch). main / extra: the caches'
+    (num_blocks, bs, page stride) (`ops.sparse_mla.CacheInfo`). splits > 1: the partials go to the fp32 workspace
+    in the Triton kernel's layout (`sparse_mla.workspace_elements`, its (max, sum) pairs from `ml_base`)."""
     batch, s_q = q.shape[0], q.shape[1]
     xi = extra_indices if extra is not None else indices
     ints = (s_q, float(softmax_scale), indices.shape[2], xi.shape[2] if extra is not None else 0,
             main.num_blocks * main.bs, extra.num_blocks * extra.bs if extra is not None else 0, main.page_stride,
-            extra.page_stride if extra is not None else main.page_stride, q.stride(0) // 8, q.stride(1) // 8,
+            extra.page_stride if extra is not None else main.page_stride, ml_base, q.stride(0) // 8, q.stride(1) // 8,
             q.stride(2) // 8, *indices.stride(), *xi.stride(), topk_length.stride(0) if topk_length is not None else 0,
             extra_topk_length.stride(0) if extra_topk_length is not None else 0, *out.stride()[:3], *lse.stride())
     meta = dict(BS=main.bs, X_BS=extra.bs if extra is not None else main.bs, EXTRA=extra is not None,
                 HAS_LEN=topk_length is not None, HAS_X_LEN=extra_topk_length is not None and extra is not None,
-                SINKS=attn_sink is not None, num_warps=WARPS)
-    # the caches as bytes whatever their dtype
+                SINKS=attn_sink is not None, SPLIT=splits > 1, num_warps=WARPS)
+    # the caches as bytes whatever their dtype, the partials as fp32 (the op's workspace may be bf16)
     dtypes = (q.dtype, torch.uint8, indices.dtype, _dtype(topk_length, indices.dtype), torch.uint8, xi.dtype,
               _dtype(extra_topk_length, indices.dtype), _dtype(attn_sink, lse.dtype),
-              out.dtype, lse.dtype)
-    fast = DECODE_LAUNCHER.bind((batch * s_q,), dtypes, ints, meta, q.device)
+              out.dtype, lse.dtype, torch.float32)
+    fast = DECODE_LAUNCHER.bind((batch * s_q, splits), dtypes, ints, meta, q.device)
 
-    def launch(q, cache, indices, lens, x_cache, x_indices, x_lens, sink, out, lse, _lse, _part):
-        fast(q, cache, indices, lens, x_cache, x_indices, x_lens, sink, out, lse)
+    def launch(q, cache, indices, lens, x_cache, x_indices, x_lens, sink, out, lse, _lse, part):
+        fast(q, cache, indices, lens, x_cache, x_indices, x_lens, sink, out, lse, part)
 
     return launch

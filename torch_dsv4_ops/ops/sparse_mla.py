@@ -265,10 +265,10 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     block_n = kernels.tiles(target, False, small)["BLOCK_N"]
     sms = kernels.device_multiprocessors(device)
     fnuz = (use_fnuz, extra is not None and extra_use_fnuz)
-    gluon = sparse_mla_gluon.decode_planned(target, checked.hq, q.stride(), fnuz, checked.rows, width + x_width, sms,
+    gluon = sparse_mla_gluon.decode_planned(target, checked.hq, q.stride(), fnuz, checked.rows, width + x_width,
                                             forced)
-    splits = 1 if gluon else forced or kernels.decode_splits(checked.rows, checked.hq, width + x_width, block_n,
-                                                             sms, target)
+    # the Triton kernel's split count, which the Gluon kernel takes too (the same partials and combine)
+    splits = forced or kernels.decode_splits(checked.rows, checked.hq, width + x_width, block_n, sms, target)
     elements, ml_base = kernels.workspace_elements(checked.rows, checked.hq, splits)
     if splits == 1:
         elements = 0
@@ -296,7 +296,7 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     launch = kernels.SPARSE_LAUNCHER.bind(grid, dtypes, ints, meta, device)
     if gluon:
         gluon_launch = sparse_mla_gluon.bind_decode(q, indices, extra_indices, topk_length, extra_topk_length,
-                                                    attn_sink, out, lse, softmax_scale, main, extra)
+                                                    attn_sink, out, lse, softmax_scale, main, extra, splits, ml_base)
         launch = ByAlignment(gluon_launch, launch, (0,), 16)
     if splits == 1:
         return DecodePlan(launch, None, 0)
