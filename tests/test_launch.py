@@ -52,6 +52,23 @@ def test_policy_environment_overrides(version, monkeypatch):
     assert _launch.direct_launch_policy(version)[0] is (version == "3.6.0")
 
 
+def test_arguments_view_or_address(monkeypatch):
+    """A public launch hands Triton each tensor as the dtype its bind names: a view where one exists, else (off the
+    interpreter, which needs tensors) the tensor's address as that dtype."""
+    from torch_dsv4_ops import platform
+
+    rows = torch.zeros(3, 133, dtype=torch.uint8)[:, 1:]           # 132 bytes a row, 133 apart: no int32 view
+    words = torch.zeros(3, 132, dtype=torch.uint8)
+    assert _launch._as(words, torch.int32).shape == (3, 33)
+    monkeypatch.setattr(platform, "INTERPRET", True)
+    with pytest.raises(RuntimeError):
+        _launch._as(rows, torch.int32)
+    monkeypatch.setattr(platform, "INTERPRET", False)
+    typed = _launch._as(rows, torch.int32)
+    assert isinstance(typed, _launch.PointerAs)
+    assert typed.dtype == torch.int32 and typed.data_ptr() == rows.data_ptr()
+
+
 def test_hook_set():
     class Chain:
         def __init__(self, calls):
