@@ -7,8 +7,7 @@ kernel (H100, Triton 3.6): `python -m benchmarks.probe_gluon_launch`.
    returns, before any synchronisation) and do_bench's GPU time (which flushes L2 between calls and so hides the
    host's time behind the flush).
 2. CUDA-graph replay (no host cost) of the decode at several batch sizes: the Triton kernel's own plan, the Gluon
-   kernel forced unsplit (which places the plan's row threshold) and the op's plan (the Gluon kernel split as the
-   Triton kernel would be, below that threshold).
+   kernel forced unsplit, and the op's plan (the Gluon kernel split as the Triton kernel would be).
 Each line also gives the largest difference from the Triton kernel's result. NOTES.md: "Gluon launches".
 """
 from __future__ import annotations
@@ -87,7 +86,8 @@ def main(argv=None) -> int:
                               length=bench_mqa_logits.PAGED["L"])
     cache, tables, qs, ws, lens = bench_mqa_logits.paged_inputs(s, dev, nsets=2)
     logits = torch.empty(s.batch * s.next_n, s.length, device=dev)
-    sched = logits_ops.get_paged_mqa_logits_metadata(lens, bench_mqa_logits.BS, torch.cuda.get_device_properties(dev).multi_processor_count)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sched = logits_ops.get_paged_mqa_logits_metadata(lens, bench_mqa_logits.BS, sms)
 
     def paged(i: int) -> None:
         logits_ops.fp8_fp4_paged_mqa_logits((qs[i % 2], None), cache, ws[i % 2], lens, tables[i % 2], sched,

@@ -324,7 +324,6 @@ if gluon is not None:
     PREFILL_LAUNCHER = FastLauncher(mqa_logits_gluon_kernel)
 
 
-
 def bind(q, context_lens, block_tables, out, num_blocks: int, page_stride: int, max_len: int, clean: bool,
          multiprocessor_count: int):
     """The launch of a call `planned` accepted, with its grid, ints and constexprs worked out once (they follow from

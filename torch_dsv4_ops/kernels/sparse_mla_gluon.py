@@ -383,7 +383,6 @@ if gluon is not None:
     DECODE_LAUNCHER = FastLauncher(sparse_mla_decode_gluon_kernel)
 
 
-
 def _dtype(t, absent: torch.dtype) -> torch.dtype:
     """An optional tensor's dtype; `absent`: its placeholder's (the op passes int32 indices for absent lengths,
     the fp32 lse for an absent sink)."""
@@ -421,9 +420,9 @@ def decode_planned(target: platform.Target, hq: int, q_strides: tuple, fnuz: tup
     `positions` (W + K index columns) of at least MIN_DECODE_STEPS steps (shorter lists keep the Triton kernel's
     lower fixed cost per row: SWA-only B = 256, 2 steps a row, no faster in Gluon). It splits the rows as the Triton
     kernel would (`sparse_mla.decode_splits`: one wave of programs) into the same partials and combine (H100,
-    CUDA-graph replay, NOTES.md "Gluon launches": C4A B = 8 / 16 / 32 / 48 16.4 / 22.9 / 30.2 / 37.5 us against
-    22.1 / 33.0 / 43.1 / 52.8 for the Triton kernel). `forced` (`ops.sparse_mla.forced_splits`): 1 takes this
-    kernel unsplit whatever the rows, more the Triton kernel."""
+    CUDA-graph replay, NOTES.md "Gluon launches" item 5: C4A B = 8 / 16 / 32 / 48 / 64 16.2 / 23.0 / 29.6 / 37.1 /
+    40.9 us against 22.0 / 33.3 / 42.5 / 52.3 / 57.9 for the Triton kernel). `forced`
+    (`ops.sparse_mla.forced_splits`): 1 takes this kernel unsplit whatever the rows, more the Triton kernel."""
     rows_ok = forced == 1 or (forced is None and rows > SMALL_DECODE_ROWS)
     return (gluon is not None and triton_minor(version) in VERIFIED_TRITON and target.backend == "cuda"
             and target.arch == 90 and hq == HEADS and layout.HEAD_DIM == 512 and not any(fnuz) and rows_ok
