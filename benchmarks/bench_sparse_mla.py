@@ -42,6 +42,7 @@ class Spec:
     batch: int                 # decode rows (s_q = 1) or prefill tokens
     graph: bool = False
     cpu: bool = False          # small CPU smoke sizes
+    hq: int = HQ               # query heads (probes; the benchmark's cases have HQ)
 
     @property
     def name(self) -> str:
@@ -52,7 +53,7 @@ class Spec:
 
     @property
     def heads(self) -> int:
-        return 16 if self.cpu else HQ
+        return 16 if self.cpu else self.hq
 
     @property
     def swa(self) -> int:
@@ -120,10 +121,10 @@ def _call_decode(q, cache, idx, sink, extra, **out):
                                                  is_fp8_kvcache=True, indices=idx, attn_sink=sink, **extra, **out)
 
 
-def decode_runner(kind: str, batch: int, device, nsets: int = 2):
-    """(run, out, lse) for probes: run(i) calls the op on input set i % nsets of the benchmark's case into the
-    fixed buffers out and lse."""
-    s = Spec(kind, batch)
+def decode_runner(kind: str, batch: int, device, nsets: int = 2, hq: int = HQ):
+    """(run, out, lse) for probes: run(i) calls the op on input set i % nsets of the benchmark's case (at `hq`
+    heads) into the fixed buffers out and lse."""
+    s = Spec(kind, batch, hq=hq)
     sets = _decode_sets(s, device, nsets)
     out = torch.empty_like(sets[0][0])
     lse = torch.empty(batch, s.heads, 1, device=device)

@@ -7,7 +7,8 @@ kernel (H100, Triton 3.6): `python -m benchmarks.probe_gluon_launch`.
    returns, before any synchronisation) and do_bench's GPU time (which flushes L2 between calls and so hides the
    host's time behind the flush).
 2. CUDA-graph replay (no host cost) of the decode at several batch sizes: the Triton kernel's own plan, the Gluon
-   kernel forced unsplit, and the op's plan (the Gluon kernel split as the Triton kernel would be).
+   kernel forced unsplit, and the op's plan (the Gluon kernel split as the Triton kernel would be), at 64 heads and
+   at 128 (two programs a row, one per 64 heads).
 Each line also gives the largest difference from the Triton kernel's result. NOTES.md: "Gluon launches".
 """
 from __future__ import annotations
@@ -25,7 +26,8 @@ from torch_dsv4_ops.ops import mqa_logits as logits_ops, sparse_mla as ops
 from . import bench_mqa_logits, bench_sparse_mla as bench, harness
 
 EAGER_CASES = (("c4a", 64), ("c4a", 128), ("c4a", 256), ("swa", 256))
-GRAPH_CASES = (("c4a", 8), ("c4a", 16), ("c4a", 32), ("c4a", 48), ("c4a", 64))
+GRAPH_CASES = (("c4a", 8, 64), ("c4a", 16, 64), ("c4a", 32, 64), ("c4a", 48, 64), ("c4a", 64, 64),
+               ("c4a", 16, 128), ("c4a", 64, 128), ("c4a", 128, 128))
 
 
 @contextlib.contextmanager
@@ -102,8 +104,8 @@ def main(argv=None) -> int:
         print(f"eager  paged logits B={s.batch} next_n={s.next_n}, Gluon launch {label}: host {host:7.2f} us a call, "
               f"GPU {us:8.2f} us", flush=True)
 
-    for kind, batch in GRAPH_CASES:
-        run, out, _ = bench.decode_runner(kind, batch, dev)
+    for kind, batch, hq in GRAPH_CASES:
+        run, out, _ = bench.decode_runner(kind, batch, dev, hq=hq)
         ref = _triton_result(run, out)
         for label, gluon, splits in (("Triton plan", False, None), ("Gluon unsplit", True, 1), ("op plan", True, None)):
             with harness.plan_rule_off(sparse_mla_gluon, "decode_planned", off=not gluon), \
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
                 run(0)
                 diff = (out.float() - ref).abs().max().item()
                 us = harness.graph_us_per_call(run, n_calls=20)
-            print(f"graph  decode {kind} B={batch:3d} {label:13s}: {us:8.2f} us  (out vs Triton {diff:.3g})",
+            print(f"graph  decode {kind} B={batch:3d} H={hq:3d} {label:13s}: {us:8.2f} us  (out vs Triton {diff:.3g})",
                   flush=True)
     return 0
 

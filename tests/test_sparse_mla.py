@@ -443,25 +443,28 @@ def test_decode_wide_shapes(device, name):
     check_decode(case, out, lse, f"{name} [{impl}]")
 
 
-# Calls at 64 heads: the sm_90 Gluon decode (kernels/sparse_mla_gluon.py) where it is planned (on the CPU the
-# reference), forced unsplit and as the op plans it (on an H100 split into 5, some splits of the shorter rows
-# empty). Hostile lengths, NaN-poisoned unused pages, a float8 cache, infinite sinks.
-GLUON_64_HEADS = {
+# Calls at 64 and 128 heads: the sm_90 Gluon decode (kernels/sparse_mla_gluon.py) where it is planned (on the CPU
+# the reference), forced unsplit and as the op plans it (on an H100 split into several, some splits of the shorter
+# rows empty). Hostile lengths, NaN-poisoned unused pages, a float8 cache, infinite sinks, a 2-row extra block size.
+GLUON_HEADS = {
     "h64-c4a-sq2": DecodeSpec(hq=64, batch=6, s_q=2, width=128, extra_width=160, nb=4, x_nb=5,
                               lens=("full", "part", "one", "zero", "over", "neg"),
                               x_lens=("part", "full", "zero", "one", "full", "over"), seed=140),
     "h64-swa-float8-sinks": DecodeSpec(hq=64, batch=5, width=260, lens=None, nb=6, dtype=torch.float8_e4m3fn,
                                        sinks=(INF, 0.0, -INF, PEAK_LOGIT), seed=141),
+    "h128-c4a-sq2-xbs2-sinks": DecodeSpec(hq=128, batch=3, s_q=2, width=128, extra_width=192, nb=4, x_bs=2, x_nb=200,
+                                          lens=("full", "one", "neg"), x_lens=("part", "full", "zero"),
+                                          sinks=(INF, 0.0, -INF, PEAK_LOGIT), seed=142),
 }
 
 
 @pytest.mark.parametrize("splits", [1, None], ids=["unsplit", "op-plan"])
-@pytest.mark.parametrize("name", list(GLUON_64_HEADS))
-def test_decode_64_heads(device, name, splits):
+@pytest.mark.parametrize("name", list(GLUON_HEADS))
+def test_decode_gluon_heads(device, name, splits):
     from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
 
     impl = "reference" if device.type == "cpu" else "kernel"
-    case = DecodeCase(GLUON_64_HEADS[name], device)
+    case = DecodeCase(GLUON_HEADS[name], device)
     assert case.spec.width + case.spec.extra_width >= gk.MIN_DECODE_STEPS * 64     # long enough for the Gluon path
     assert case.spec.batch * case.spec.s_q > kernels.SMALL_DECODE_ROWS
     assert_coverage(case)
@@ -479,7 +482,7 @@ def test_gluon_decode_launches_directly(monkeypatch):
     if gk.gluon is None or (target.backend, target.arch) != ("cuda", 90) or not _launch.direct_launch_policy()[0] \
             or _launch.triton_minor(triton.__version__) not in gk.VERIFIED_TRITON:
         pytest.skip("the Gluon decode runs on sm_90 with a verified Triton only")
-    case = DecodeCase(GLUON_64_HEADS["h64-c4a-sq2"], torch.device("cuda"))
+    case = DecodeCase(GLUON_HEADS["h64-c4a-sq2"], torch.device("cuda"))
     with forced_splits(1):
         out, lse = check_direct_launches(gk.DECODE_LAUNCHER, lambda: run_decode(case, "kernel"), monkeypatch,
                                          ops._DECODE_PLANS, "Gluon decode")
@@ -487,9 +490,9 @@ def test_gluon_decode_launches_directly(monkeypatch):
 
 
 def test_gluon_decode_rule():
-    """The decode's Gluon kernel is planned on sm_90 with Triton 3.6 only, for 64 heads, OCP caches, q strides that
-    are multiples of 8 elements, more than SMALL_DECODE_ROWS query rows (or one forced split), lists of at least 4
-    steps and a target with the shared memory a program takes."""
+    """The decode's Gluon kernel is planned on sm_90 with Triton 3.6 only, for multiples of 64 heads, OCP caches, q
+    strides that are multiples of 8 elements, more than SMALL_DECODE_ROWS query rows (or one forced split), lists of
+    at least 4 steps and a target with the shared memory a program takes."""
     from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
 
     sm90 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 90)
@@ -498,7 +501,8 @@ def test_gluon_decode_rule():
               rows=kernels.SMALL_DECODE_ROWS + 1, positions=256, version="3.6.0")
     assert gk.decode_planned(**ok) == (gk.gluon is not None)
     assert gk.decode_planned(**{**ok, "rows": 1, "forced": 1}) == (gk.gluon is not None)
-    for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=128), dict(fnuz=(False, True)),
+    assert gk.decode_planned(**{**ok, "hq": 128}) == (gk.gluon is not None)
+    for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=96), dict(hq=0), dict(fnuz=(False, True)),
                    dict(rows=kernels.SMALL_DECODE_ROWS), dict(positions=255), dict(forced=2),
                    dict(q_strides=(64 * 516, 64 * 516, 516, 1))):
         assert not gk.decode_planned(**{**ok, **change}), change
@@ -934,15 +938,16 @@ def test_prefill_strided_and_unaligned(device, impl):
 
 
 def test_gluon_prefill_rule():
-    """The prefill's Gluon kernel is planned on sm_90 with Triton 3.6 only, for 64 heads, q and kv strides that are
-    multiples of 8 elements and a target with the shared memory a program takes."""
+    """The prefill's Gluon kernel is planned on sm_90 with Triton 3.6 only, for multiples of 64 heads, q and kv
+    strides that are multiples of 8 elements and a target with the shared memory a program takes."""
     from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
 
     sm90 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 90)
     sm80 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 80)
     ok = dict(target=sm90, hq=64, q_strides=(64 * 520, 520, 1), kv_row_stride=520, version="3.6.0")
     assert gk.prefill_planned(**ok) == (gk.gluon is not None)
-    for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=128), dict(hq=16), dict(kv_row_stride=516),
+    assert gk.prefill_planned(**{**ok, "hq": 128}) == (gk.gluon is not None)
+    for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=96), dict(hq=16), dict(kv_row_stride=516),
                    dict(q_strides=(64 * 516, 516, 1)), dict(q_strides=(64 * 512 + 4, 512, 1))):
         assert not gk.prefill_planned(**{**ok, **change}), change
 

@@ -21,7 +21,7 @@ Online softmax in base 2 as the Triton kernel's; the sink enters the denominator
   (NOTES.md "Sparse MLA decode in Gluon", "Gluon launches").
 
 `prefill_planned` / `decode_planned` say when these paths run: sm_90, Triton 3.6 (Gluon's API moves between
-versions), 64 heads, q strides (and kv's row stride) multiples of 8 elements, q (and kv) 16-byte aligned (16-byte
+versions), a multiple of 64 heads (one program a row and block of 64 heads), q strides (and kv's row stride) multiples of 8 elements, q (and kv) 16-byte aligned (16-byte
 copies; the op's plans take the Triton kernel for a call at other addresses), OCP caches for the decode.
 Everything else keeps the Triton kernel.
 """
@@ -55,7 +55,7 @@ def prefill_planned(target: platform.Target, hq: int, q_strides: tuple, kv_row_s
     """Whether a prefill call runs the Gluon kernel (module docstring): q's token and head strides and kv's row
     stride multiples of 8 elements (16-byte copies), and the target's shared memory enough for a program."""
     return (gluon is not None and triton_minor(version) in VERIFIED_TRITON and target.backend == "cuda"
-            and target.arch == 90 and hq == HEADS and layout.HEAD_DIM == 512
+            and target.arch == 90 and hq > 0 and hq % HEADS == 0 and layout.HEAD_DIM == 512
             and all(s % 8 == 0 for s in (*q_strides[:2], kv_row_stride))
             and platform.shared_memory_limit(target) >= PREFILL_SHARED_MEMORY)
 
@@ -127,9 +127,10 @@ if gluon is not None:
                                         n_tokens, sm_scale, width, num_rows, kv_s8, q_s08, q_s18, i_s0, i_s2, len_s,
                                         o_s0, o_s1, lse_s0, lse_s1, max_s0, max_s1,
                                         HAS_LEN: gl.constexpr, SINKS: gl.constexpr):
-        """Program t: query token t, all 64 heads, over its selected rows (module docstring). q [Tq, 64, 512],
-        kv rows 8 * kv_s8 elements apart, q strides (8 * q_s08, 8 * q_s18, 1) (multiples of 8 elements the compiler
-        can see: 16-byte copies), indices [Tq, 1, C] with strides (i_s0, -, i_s2), out [Tq, 64, 512]."""
+        """Program (t, hb): query token t, heads [64 hb, 64 hb + 64), over its selected rows (module docstring).
+        q [Tq, Hq, 512], kv rows 8 * kv_s8 elements apart, q strides (8 * q_s08, 8 * q_s18, 1) (multiples of 8
+        elements the compiler can see: 16-byte copies), indices [Tq, 1, C] with strides (i_s0, -, i_s2), out
+        [Tq, Hq, 512]."""
         gl.static_assert(gl.num_warps() == 8)
         D: gl.constexpr = 512
         H: gl.constexpr = 64
@@ -139,6 +140,12 @@ if gluon is not None:
         q_s0 = q_s08 * 8
         q_s1 = q_s18 * 8
         t = gl.program_id(0).to(gl.int64)
+        h0 = gl.program_id(1).to(gl.int64) * H          # the program's first head
+        q_ptr = q_ptr + h0 * q_s1
+        o_ptr = o_ptr + h0 * o_s1
+        lse_ptr = lse_ptr + h0 * lse_s1
+        max_ptr = max_ptr + h0 * max_s1
+        sink_ptr = sink_ptr + h0
         n_sel = width
         if HAS_LEN:
             n_sel = gl.minimum(gl.maximum(gl.load(len_ptr + t * len_s), 0), width)
@@ -278,8 +285,8 @@ if gluon is not None:
                                        lse_s1, lse_s2, BS: gl.constexpr, X_BS: gl.constexpr, EXTRA: gl.constexpr,
                                        HAS_LEN: gl.constexpr, HAS_X_LEN: gl.constexpr, SINKS: gl.constexpr,
                                        SPLIT: gl.constexpr):
-        """Program (t, split): query row t = (b, j) of B x s_q, all 64 heads, its split's share of the steps of the
-        row's list [main indices[:len] | extra indices[:len_x]]: each step's cache bytes are copied into a staging
+        """Program (t, hb, split): query row t = (b, j) of B x s_q, heads [64 hb, 64 hb + 64), its split's share of
+        the steps of the row's list [main indices[:len] | extra indices[:len_x]]: each step's cache bytes are copied into a staging
         buffer two steps ahead (`cp.async`), dequantised from it into the row buffer, then the prefill kernel's
         products. Unsplit: out and lse; SPLIT: the Triton kernel's partials (unnormalised acc, running max and sum,
         which `sparse_mla.combine_kernel` merges). q strides in units of 8 elements (8 * q_s08, ...)."""
@@ -292,6 +299,12 @@ if gluon is not None:
         t = gl.program_id(0).to(gl.int64)
         b = t // s_q
         j = t % s_q
+        h0 = gl.program_id(1).to(gl.int64) * H          # the program's first head
+        hq = gl.num_programs(1) * H
+        q_ptr = q_ptr + h0 * (q_s28 * 8)
+        o_ptr = o_ptr + h0 * o_s2
+        lse_ptr = lse_ptr + h0 * lse_s1
+        sink_ptr = sink_ptr + h0
         n_main = width
         if HAS_LEN:
             n_main = gl.minimum(gl.maximum(gl.load(len_ptr + b * len_s), 0), width)
@@ -303,8 +316,8 @@ if gluon is not None:
             if HAS_X_LEN:
                 n_x = gl.minimum(gl.maximum(gl.load(x_len_ptr + b * x_len_s), 0), x_width)
             tiles += gl.cdiv(n_x, BN)
-        split = gl.program_id(1)
-        splits = gl.num_programs(1)
+        split = gl.program_id(2)
+        splits = gl.num_programs(2)
         per = gl.cdiv(tiles, splits)
         t_lo = split * per
         t_hi = gl.minimum(t_lo + per, tiles)
@@ -366,10 +379,10 @@ if gluon is not None:
         h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
         d_o = gl.arange(0, D, layout=gl.SliceLayout(0, _O_MMA))
         if SPLIT:
-            # partials of (t, h, split): acc at ((t*64 + h)*splits + split)*D, (max, sum) at ml_base + 2*that row
-            prow = (t * H + h_o) * splits + split
+            # partials of (t, h, split): acc at ((t*Hq + h)*splits + split)*D, (max, sum) at ml_base + 2*that row
+            prow = (t * hq + h0 + h_o) * splits + split
             gl.store(part_ptr + (prow * D)[:, None] + d_o[None, :], acc)
-            prow = (t * H + heads) * splits + split
+            prow = (t * hq + h0 + heads) * splits + split
             gl.store(part_ptr + ml_base + 2 * prow, m_i)
             gl.store(part_ptr + ml_base + 2 * prow + 1, l_i)
         else:
@@ -401,7 +414,7 @@ def bind_prefill(q, kv, indices, sm_scale: float, topk_length, attn_sink, out, m
     meta = dict(HAS_LEN=topk_length is not None, SINKS=attn_sink is not None, num_warps=WARPS)
     dtypes = (q.dtype, kv.dtype, indices.dtype, _dtype(topk_length, indices.dtype), _dtype(attn_sink, lse.dtype),
               out.dtype, lse.dtype, max_logits.dtype)
-    fast = PREFILL_LAUNCHER.bind((tokens,), dtypes, ints, meta, q.device)
+    fast = PREFILL_LAUNCHER.bind((tokens, q.shape[1] // HEADS), dtypes, ints, meta, q.device)
 
     def launch(q, kv, indices, lens, _kv, _indices, _lens, sink, out, lse, max_logits, _lse):
         fast(q, kv, indices, lens, sink, out, lse, max_logits)
@@ -414,7 +427,7 @@ MIN_DECODE_STEPS = 4                 # index columns (main + extra) of at least 
 
 def decode_planned(target: platform.Target, hq: int, q_strides: tuple, fnuz: tuple, rows: int, positions: int,
                    forced: int | None = None, version: str = triton.__version__) -> bool:
-    """Whether a decode call runs the Gluon kernel: sm_90, Triton 3.6, 64 heads, OCP caches (`fnuz`: each cache's
+    """Whether a decode call runs the Gluon kernel: sm_90, Triton 3.6, a multiple of 64 heads, OCP caches (`fnuz`: each cache's
     flag), q strides multiples of 8 elements, the target's shared memory enough for a program, more than
     SMALL_DECODE_ROWS query rows (B·s_q; fewer take the Triton kernel's small-batch plan of 16-head blocks) and
     `positions` (W + K index columns) of at least MIN_DECODE_STEPS steps (shorter lists keep the Triton kernel's
@@ -425,8 +438,8 @@ def decode_planned(target: platform.Target, hq: int, q_strides: tuple, fnuz: tup
     (`ops.sparse_mla.forced_splits`): 1 takes this kernel unsplit whatever the rows, more the Triton kernel."""
     rows_ok = forced == 1 or (forced is None and rows > SMALL_DECODE_ROWS)
     return (gluon is not None and triton_minor(version) in VERIFIED_TRITON and target.backend == "cuda"
-            and target.arch == 90 and hq == HEADS and layout.HEAD_DIM == 512 and not any(fnuz) and rows_ok
-            and positions >= MIN_DECODE_STEPS * 64 and all(s % 8 == 0 for s in q_strides[:3])
+            and target.arch == 90 and hq > 0 and hq % HEADS == 0 and layout.HEAD_DIM == 512 and not any(fnuz)
+            and rows_ok and positions >= MIN_DECODE_STEPS * 64 and all(s % 8 == 0 for s in q_strides[:3])
             and platform.shared_memory_limit(target) >= DECODE_SHARED_MEMORY)
 
 
@@ -451,7 +464,7 @@ def bind_decode(q, indices, extra_indices, topk_length, extra_topk_length, attn_
     dtypes = (q.dtype, torch.uint8, indices.dtype, _dtype(topk_length, indices.dtype), torch.uint8, xi.dtype,
               _dtype(extra_topk_length, indices.dtype), _dtype(attn_sink, lse.dtype),
               out.dtype, lse.dtype, torch.float32)
-    fast = DECODE_LAUNCHER.bind((batch * s_q, splits), dtypes, ints, meta, q.device)
+    fast = DECODE_LAUNCHER.bind((batch * s_q, q.shape[2] // HEADS, splits), dtypes, ints, meta, q.device)
 
     def launch(q, cache, indices, lens, x_cache, x_indices, x_lens, sink, out, lse, _lse, part):
         fast(q, cache, indices, lens, x_cache, x_indices, x_lens, sink, out, lse, part)
