@@ -21,9 +21,9 @@ Online softmax in base 2 as the Triton kernel's; the sink enters the denominator
   (NOTES.md "Sparse MLA decode in Gluon", "Gluon launches").
 
 `prefill_planned` / `decode_planned` say when these paths run: sm_90, Triton 3.6 (Gluon's API moves between
-versions), a multiple of 64 heads (one program a row and block of 64 heads), q strides (and kv's row stride) multiples of 8 elements, q (and kv) 16-byte aligned (16-byte
-copies; the op's plans take the Triton kernel for a call at other addresses), OCP caches for the decode.
-Everything else keeps the Triton kernel.
+versions), a multiple of 64 heads (one program a row and block of 64 heads), q strides (and kv's row stride)
+multiples of 8 elements, q (and kv) 16-byte aligned (16-byte copies; the op's plans take the Triton kernel for a
+call at other addresses), OCP caches for the decode. Everything else keeps the Triton kernel.
 """
 from __future__ import annotations
 
@@ -286,10 +286,10 @@ if gluon is not None:
                                        HAS_LEN: gl.constexpr, HAS_X_LEN: gl.constexpr, SINKS: gl.constexpr,
                                        SPLIT: gl.constexpr):
         """Program (t, hb, split): query row t = (b, j) of B x s_q, heads [64 hb, 64 hb + 64), its split's share of
-        the steps of the row's list [main indices[:len] | extra indices[:len_x]]: each step's cache bytes are copied into a staging
-        buffer two steps ahead (`cp.async`), dequantised from it into the row buffer, then the prefill kernel's
-        products. Unsplit: out and lse; SPLIT: the Triton kernel's partials (unnormalised acc, running max and sum,
-        which `sparse_mla.combine_kernel` merges). q strides in units of 8 elements (8 * q_s08, ...)."""
+        the steps of the row's list [main indices[:len] | extra indices[:len_x]]: each step's cache bytes are copied
+        into a staging buffer two steps ahead (`cp.async`), dequantised from it into the row buffer, then the prefill
+        kernel's products. Unsplit: out and lse; SPLIT: the Triton kernel's partials (unnormalised acc, running max
+        and sum, which `sparse_mla.combine_kernel` merges). q strides in units of 8 elements (8 * q_s08, ...)."""
         gl.static_assert(gl.num_warps() == 8)
         D: gl.constexpr = 512
         H: gl.constexpr = 64
@@ -427,8 +427,8 @@ MIN_DECODE_STEPS = 4                 # index columns (main + extra) of at least 
 
 def decode_planned(target: platform.Target, hq: int, q_strides: tuple, fnuz: tuple, rows: int, positions: int,
                    forced: int | None = None, version: str = triton.__version__) -> bool:
-    """Whether a decode call runs the Gluon kernel: sm_90, Triton 3.6, a multiple of 64 heads, OCP caches (`fnuz`: each cache's
-    flag), q strides multiples of 8 elements, the target's shared memory enough for a program, more than
+    """Whether a decode call runs the Gluon kernel: sm_90, Triton 3.6, a multiple of 64 heads, OCP caches (`fnuz`:
+    each cache's flag), q strides multiples of 8 elements, the target's shared memory enough for a program, more than
     SMALL_DECODE_ROWS query rows (B·s_q; fewer take the Triton kernel's small-batch plan of 16-head blocks) and
     `positions` (W + K index columns) of at least MIN_DECODE_STEPS steps (shorter lists keep the Triton kernel's
     lower fixed cost per row: SWA-only B = 256, 2 steps a row, no faster in Gluon). It splits the rows as the Triton
