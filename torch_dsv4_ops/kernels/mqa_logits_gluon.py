@@ -225,6 +225,14 @@ if gluon is not None:
         val = gl.where((n >= ks) & (n < ke), lg * sc, float("-inf"))
         gl.store(out_ptr + row * o_s0 + n, val, mask=(n < n_keys) & row_ok)
 
+    @gluon.jit
+    def _prefill_query_logits(acc, w_smem, sc, t, ks, ke, j, m0, n_queries, n_keys, out_ptr, o_s0,
+                              BLOCK: gl.constexpr):
+        """`_range_logits` of the program's query j (its weights, range and row)."""
+        w = w_smem.slice(j * _HEADS, _HEADS).load(gl.SliceLayout(0, acc.type.layout))
+        _range_logits(acc, w, sc, t, _pick(ks, j), _pick(ke, j), n_keys, out_ptr, (m0 + j).to(gl.int64),
+                      m0 + j < n_queries, o_s0, BLOCK)
+
     @gluon.jit(do_not_specialize=("n_queries", "n_keys", "o_s0"))
     def mqa_logits_gluon_kernel(q_ptr, k32_ptr, sc_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, n_queries, n_keys, q_s0,
                                 q_s1, k_words, sc_s0, w_s0, w_s1, ks_s0, ke_s0, o_s0,
@@ -298,14 +306,11 @@ if gluon is not None:
             for j in gl.static_range(1, GQ):
                 nxt = warpgroup_mma(a, b_op.slice(j * _HEADS, _HEADS, dim=1), zero, use_acc=False, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=[acc])
-                _range_logits(acc, w_smem.slice((j - 1) * _HEADS, _HEADS).load(gl.SliceLayout(0, MMA)), sc0, t, _pick(ks, j - 1),
-                              _pick(ke, j - 1), n_keys, out_ptr, (m0 + j - 1).to(gl.int64), m0 + j - 1 < n_queries,
-                              o_s0, BLOCK)
+                _prefill_query_logits(acc, w_smem, sc0, t, ks, ke, j - 1, m0, n_queries, n_keys, out_ptr, o_s0,
+                                      BLOCK)
                 acc = nxt
             acc = warpgroup_mma_wait(0, deps=[acc])
-            _range_logits(acc, w_smem.slice((GQ - 1) * _HEADS, _HEADS).load(gl.SliceLayout(0, MMA)), sc0, t, _pick(ks, GQ - 1),
-                          _pick(ke, GQ - 1), n_keys, out_ptr, (m0 + GQ - 1).to(gl.int64), m0 + GQ - 1 < n_queries,
-                          o_s0, BLOCK)
+            _prefill_query_logits(acc, w_smem, sc0, t, ks, ke, GQ - 1, m0, n_queries, n_keys, out_ptr, o_s0, BLOCK)
             wd0 = wd1
             sc0 = sc1
         if CLEAN:

@@ -122,9 +122,9 @@ if gluon is not None:
                                                mask=ok[:, None])
         async_copy.commit_group()
 
-    @gluon.jit(do_not_specialize=("n_tokens", "width", "num_rows"))
+    @gluon.jit(do_not_specialize=("width", "num_rows"))
     def sparse_mla_prefill_gluon_kernel(q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, o_ptr, lse_ptr, max_ptr,
-                                        n_tokens, sm_scale, width, num_rows, kv_s8, q_s08, q_s18, i_s0, i_s2, len_s,
+                                        sm_scale, width, num_rows, kv_s8, q_s08, q_s18, i_s0, i_s2, len_s,
                                         o_s0, o_s1, lse_s0, lse_s1, max_s0, max_s1,
                                         HAS_LEN: gl.constexpr, SINKS: gl.constexpr):
         """Program (t, hb): query token t, heads [64 hb, 64 hb + 64), over its selected rows (module docstring).
@@ -407,7 +407,7 @@ def bind_prefill(q, kv, indices, sm_scale: float, topk_length, attn_sink, out, m
     twelve tensors (q, kv, indices, lengths, kv, indices, lengths, sink, out, lse, max_logits, lse), for q and kv at
     16-byte aligned addresses (a `FastLauncher` launch: Triton's JIT only on the first call)."""
     tokens = q.shape[0]
-    ints = (tokens, float(sm_scale), indices.shape[2], kv.shape[0], kv.stride(0) // 8, q.stride(0) // 8,
+    ints = (float(sm_scale), indices.shape[2], kv.shape[0], kv.stride(0) // 8, q.stride(0) // 8,
             q.stride(1) // 8, indices.stride(0), indices.stride(2),
             topk_length.stride(0) if topk_length is not None else 0, out.stride(0), out.stride(1), lse.stride(0),
             lse.stride(1), max_logits.stride(0), max_logits.stride(1))
