@@ -13,12 +13,13 @@ Online softmax in base 2 as the Triton kernel's; the sink enters the denominator
   t + 1's wait for its rows and its scores; the copy of step t + 1 is issued once step t - 1's products (which read
   its buffer) are done, and runs under step t's softmax and O. H100: 44.8-46.0 % of the bf16 matmul rate on the
   benchmark's case (the Triton kernel 31-33 %).
-* Decode (`sparse_mla_decode_gluon_kernel`): each step's cache bytes (codes, RoPE, scale bytes) are copied with
-  `cp.async` into one of two staging buffers two steps ahead, then dequantised exactly (codes x 2^(byte - 127))
-  into the row buffer. Program (row, split) over its split's share of the row's steps, split as the Triton kernel
-  would be into the same partials for the same combine: planned for calls of more than 4 rows whose lists hold
-  at least 4 steps; up to 4 rows keep the Triton kernel's small-batch plan, shorter lists its lower fixed cost
-  (NOTES.md "Sparse MLA decode in Gluon", "Gluon launches").
+* Decode (`sparse_mla_decode_gluon_kernel`): two row buffers. While step i's scores product runs on one, step
+  i + 1's codes, copied a step earlier (`cp.async`) into a staging buffer, are dequantised exactly (codes x
+  2^(byte - 127), the scale bytes loaded as one 8-byte word a row) into the other, whose RoPE columns are copied
+  straight from the cache. Program (row, split) over its split's share of the row's steps, split as the Triton
+  kernel would be into the same partials for the same combine: planned for calls of more than 4 rows whose lists
+  hold at least 4 steps; up to 4 rows keep the Triton kernel's small-batch plan, shorter lists its lower fixed
+  cost (NOTES.md "Sparse MLA decode in Gluon", "Gluon launches", "The decode's dequantisation under the scores").
 
 `prefill_planned` / `decode_planned` say when these paths run: sm_90, Triton 3.6 (Gluon's API moves between
 versions), a multiple of 64 heads (one program a row and block of 64 heads), q strides (and kv's row stride)
@@ -47,7 +48,7 @@ VERIFIED_TRITON = ("3.6",)
 HEADS = 64
 WARPS = 8
 PREFILL_SHARED_MEMORY = 200704       # bytes a program takes on sm_90 (Q, two row buffers, layout scratch)
-DECODE_SHARED_MEMORY = 218112        # (Q, the dequantised rows, two buffers of staged cache bytes, scratch)
+DECODE_SHARED_MEMORY = 229376        # (Q, two row buffers, the staged codes of a step, layout scratch)
 
 
 def prefill_planned(target: platform.Target, hq: int, q_strides: tuple, kv_row_stride: int,
@@ -198,84 +199,110 @@ if gluon is not None:
 
 
     @gluon.jit
-    def _stage_rows(src, slot, ok, page_stride, st_codes, st_rope, st_scale, BS: gl.constexpr):
-        """cp.async of 64 rows (global slots; zeros where not ok) of an fp8_ds_mla cache of block size BS into the
-        staging buffers: codes [64, 8, 64] (blocks 0..6), RoPE [64, 64] bf16, scale bytes [64, 8]; one group."""
-        C3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [8, 1, 1], [2, 1, 0])
-        RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-        SC: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [8, 1], [1, 0])
+    def _row_offsets(slot, page_stride, BS: gl.constexpr):
+        """Byte offsets of rows `slot` of an fp8_ds_mla cache of block size BS: each row's data, its scale bytes."""
         blk = slot // BS
         off = slot - blk * BS
-        row = blk * page_stride + off * _DATA_BYTES
-        scale_at = blk * page_stride + BS * _DATA_BYTES + off * _SCALE_BYTES
-        r3 = gl.convert_layout(row, gl.SliceLayout(1, gl.SliceLayout(2, C3)))
-        ok3 = gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, C3)))
-        qb = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, C3)))
-        col = gl.arange(0, _QB, layout=gl.SliceLayout(0, gl.SliceLayout(1, C3)))
-        async_copy.async_copy_global_to_shared(
-            st_codes, src + r3[:, None, None] + (qb * _QB)[None, :, None] + col[None, None, :],
-            mask=ok3[:, None, None] & (qb < _NUM_QB)[None, :, None])
-        rr = gl.convert_layout(row, gl.SliceLayout(1, RP))
-        okr = gl.convert_layout(ok, gl.SliceLayout(1, RP))
-        d = gl.arange(0, 64, layout=gl.SliceLayout(0, RP))
-        async_copy.async_copy_global_to_shared(
-            st_rope, (src + rr + _NOPE).to(gl.pointer_type(gl.bfloat16))[:, None] + d[None, :], mask=okr[:, None])
-        rs = gl.convert_layout(scale_at, gl.SliceLayout(1, SC))
-        oks = gl.convert_layout(ok, gl.SliceLayout(1, SC))
-        e = gl.arange(0, _SCALE_BYTES, layout=gl.SliceLayout(0, SC))
-        async_copy.async_copy_global_to_shared(st_scale, src + rs[:, None] + e[None, :], mask=oks[:, None])
+        return blk * page_stride + off * _DATA_BYTES, blk * page_stride + BS * _DATA_BYTES + off * _SCALE_BYTES
 
     @gluon.jit
-    def _nope_store(st_codes, st_scale, buf, B0: gl.constexpr, NB: gl.constexpr, L3: gl.constexpr):
-        """Dequantise staged NoPE blocks [B0, B0 + NB) (codes x 2^(byte - 127), exact in bf16) into
-        buf[:, 64 B0 : 64 (B0 + NB)]."""
-        codes = st_codes.slice(B0, NB, dim=1).load(L3)
-        e = st_scale.slice(B0, NB, dim=1).load(gl.SliceLayout(2, L3)).to(gl.int32)
-        scale = gl.where(e == 0, 1 << 22, e << 23).to(gl.float32, bitcast=True)
-        val = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None]
-        buf.slice(64 * B0, 64 * NB, dim=1).store(gl.reshape(val.to(gl.bfloat16), [64, 64 * NB]))
-
-    @gluon.jit
-    def _dequant_rows(st_codes, st_rope, st_scale, buf):
-        """The staged rows dequantised into buf [64, 512] bf16: 7 NoPE blocks with their UE8M0 scales, then the 64
-        RoPE bf16."""
-        L2: gl.constexpr = gl.BlockedLayout([1, 1, 16], [4, 2, 4], [8, 1, 1], [2, 1, 0])
-        L1: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0])
-        RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-        gl.static_assert((_NUM_QB == 7) & (_QB == 64) & (_NOPE == 448))     # the groups below: 2 + 2 + 2 + 1 blocks
-        _nope_store(st_codes, st_scale, buf, 0, 2, L2)
-        _nope_store(st_codes, st_scale, buf, 2, 2, L2)
-        _nope_store(st_codes, st_scale, buf, 4, 2, L2)
-        _nope_store(st_codes, st_scale, buf, 6, 1, L1)
-        buf.slice(_NOPE, 64, dim=1).store(st_rope.load(RP))
-
-    @gluon.jit
-    def _stage_step(cache_ptr, x_cache_ptr, page_stride, x_page_stride, slot, ok, is_main, st_codes, st_rope,
-                    st_scale, BS: gl.constexpr, X_BS: gl.constexpr, EXTRA: gl.constexpr):
-        """`_stage_rows` from the step's cache (main or extra), then commit the group (empty for no rows)."""
+    def _raw_slots(idx_row, x_row, i_s2, x_s2, tile, tiles_main, n_main, n_x, rows, EXTRA: gl.constexpr):
+        """Index entries (int32; -1 past the list) of step `tile` of the list [main[:n_main] | extra[:n_x]]."""
         if EXTRA:
-            if is_main:
-                _stage_rows(cache_ptr, slot, ok, page_stride, st_codes, st_rope, st_scale, BS)
+            if tile < tiles_main:
+                pos = tile * 64 + rows
+                raw = gl.load(idx_row + pos * i_s2, mask=pos < n_main, other=-1)
             else:
-                _stage_rows(x_cache_ptr, slot, ok, x_page_stride, st_codes, st_rope, st_scale, X_BS)
+                pos = (tile - tiles_main) * 64 + rows
+                raw = gl.load(x_row + pos * x_s2, mask=pos < n_x, other=-1)
         else:
-            _stage_rows(cache_ptr, slot, ok, page_stride, st_codes, st_rope, st_scale, BS)
+            pos = tile * 64 + rows
+            raw = gl.load(idx_row + pos * i_s2, mask=pos < n_main, other=-1)
+        return raw
+
+    @gluon.jit
+    def _addresses(raw, tile, t_hi, tiles_main, num_rows, x_num_rows, page_stride, x_page_stride, cache_ptr,
+                   x_cache_ptr, BS: gl.constexpr, X_BS: gl.constexpr, EXTRA: gl.constexpr):
+        """Step `tile`'s rows from their index entries: the cache, each row's data and scale-byte offsets, ok."""
+        src = cache_ptr
+        if EXTRA:
+            if tile < tiles_main:
+                ok = (raw >= 0) & (raw < num_rows)
+                row, sc = _row_offsets(gl.where(ok, raw, 0).to(gl.int64), page_stride, BS)
+            else:
+                ok = (raw >= 0) & (raw < x_num_rows)
+                row, sc = _row_offsets(gl.where(ok, raw, 0).to(gl.int64), x_page_stride, X_BS)
+                src = x_cache_ptr
+        else:
+            ok = (raw >= 0) & (raw < num_rows)
+            row, sc = _row_offsets(gl.where(ok, raw, 0).to(gl.int64), page_stride, BS)
+        return src, row, sc, ok & (tile < t_hi)
+
+    @gluon.jit
+    def _stage_blocks(src, row, ok, dst, B0: gl.constexpr, NB: gl.constexpr, L3: gl.constexpr):
+        """cp.async of code blocks [B0, B0 + NB) of 64 rows (zeros where not ok) into dst [64, NB, 64]."""
+        r3 = gl.convert_layout(row, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        ok3 = gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        qb = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        col = gl.arange(0, _QB, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        async_copy.async_copy_global_to_shared(
+            dst, src + r3[:, None, None] + ((B0 + qb) * _QB)[None, :, None] + col[None, None, :],
+            mask=ok3[:, None, None])
+
+    @gluon.jit
+    def _stage_codes(src, row, ok, st4, st2, st1, P2: gl.constexpr, P1: gl.constexpr):
+        """cp.async of the NoPE codes of 64 rows (zeros where not ok) into st4 [64, 4, 64] (blocks 0-3), st2
+        [64, 2, 64] (blocks 4-5), st1 [64, 1, 64] (block 6); one commit group."""
+        gl.static_assert((_NUM_QB == 7) & (_QB == 64) & (_NOPE == 448))     # the buffers: 4 + 2 + 1 blocks
+        _stage_blocks(src, row, ok, st4, 0, 4, P2)
+        _stage_blocks(src, row, ok, st2, 4, 2, P2)
+        _stage_blocks(src, row, ok, st1, 6, 1, P1)
         async_copy.commit_group()
 
     @gluon.jit
-    def _step_slots(idx_row, x_row, i_s2, x_s2, tile, tiles_main, n_main, n_x, num_rows, x_num_rows, rows,
-                    EXTRA: gl.constexpr):
-        """Step `tile` of the list [main[:n_main] | extra[:n_x]]: its 64 slots (int64, 0 where not selected), which
-        are selected rows, and whether the step is in the main list."""
-        is_main = tile < tiles_main
-        if EXTRA:
-            if is_main:
-                slot, ok = _slots(idx_row, i_s2, tile, n_main, num_rows, rows, 64)
-            else:
-                slot, ok = _slots(x_row, x_s2, tile - tiles_main, n_x, x_num_rows, rows, 64)
-        else:
-            slot, ok = _slots(idx_row, i_s2, tile, n_main, num_rows, rows, 64)
-        return slot, ok, is_main
+    def _stage_rope(src, row, ok, buf, RP: gl.constexpr):
+        """cp.async of 64 rows' RoPE (bf16, zeros where not ok) into buf[:, 448:512]; one commit group."""
+        d = gl.arange(0, 64, layout=gl.SliceLayout(0, RP))
+        rr = gl.convert_layout(row, gl.SliceLayout(1, RP))
+        okr = gl.convert_layout(ok, gl.SliceLayout(1, RP))
+        async_copy.async_copy_global_to_shared(
+            buf.slice(_NOPE, 64, dim=1), (src + rr + _NOPE).to(gl.pointer_type(gl.bfloat16))[:, None] + d[None, :],
+            mask=okr[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _scale_words(src, sc, ok):
+        """Each row's 8 scale bytes as one int64 (block b in bits 8b .. 8b + 7; 0 where not ok): 8-byte aligned, as
+        the op checks the cache's data pointer and page stride are (layout.DS_MLA_CACHE_ALIGN)."""
+        gl.static_assert(_SCALE_BYTES == 8)
+        return gl.load((src + sc).to(gl.pointer_type(gl.int64)), mask=ok, other=0)
+
+    @gluon.jit
+    def _block_scales(words, B0: gl.constexpr, NB: gl.constexpr, L3: gl.constexpr):
+        """Scale bytes [64, NB] of blocks [B0, B0 + NB) out of the rows' scale words, in SliceLayout(2, L3)."""
+        w = gl.convert_layout(words, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        qb = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        return ((w[:, None] >> ((B0 + qb) * 8).to(gl.int64)[None, :]) & 0xff).to(gl.int32)
+
+    @gluon.jit
+    def _store_nope(codes, e, buf, B0: gl.constexpr, NB: gl.constexpr):
+        """buf[:, 64 B0 : 64 (B0 + NB)] = codes x 2^(e - 127) (exact in bf16)."""
+        e = e.to(gl.int32)
+        scale = gl.where(e == 0, 1 << 22, e << 23).to(gl.float32, bitcast=True)
+        val = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None]
+        buf.slice(64 * B0, 64 * NB, dim=1).store(gl.reshape(val.to(gl.bfloat16), [codes.shape[0], 64 * NB]))
+
+    @gluon.jit
+    def _dequant_staged(st4, st2, st1, words, buf, P2: gl.constexpr, P1: gl.constexpr):
+        """The staged codes of 64 rows dequantised with their scale words into buf[:, 0:448]."""
+        c0 = st4.slice(0, 2, dim=1).load(P2)
+        c1 = st4.slice(2, 2, dim=1).load(P2)
+        c2 = st2.load(P2)
+        c3 = st1.load(P1)
+        _store_nope(c0, _block_scales(words, 0, 2, P2), buf, 0, 2)
+        _store_nope(c1, _block_scales(words, 2, 2, P2), buf, 2, 2)
+        _store_nope(c2, _block_scales(words, 4, 2, P2), buf, 4, 2)
+        _store_nope(c3, _block_scales(words, 6, 1, P1), buf, 6, 1)
 
     @gluon.jit(do_not_specialize=("s_q", "width", "x_width", "num_rows", "x_num_rows", "ml_base"))
     def sparse_mla_decode_gluon_kernel(q_ptr, cache_ptr, idx_ptr, len_ptr, x_cache_ptr, x_idx_ptr, x_len_ptr,
@@ -286,16 +313,20 @@ if gluon is not None:
                                        HAS_LEN: gl.constexpr, HAS_X_LEN: gl.constexpr, SINKS: gl.constexpr,
                                        SPLIT: gl.constexpr):
         """Program (t, hb, split): query row t = (b, j) of B x s_q, heads [64 hb, 64 hb + 64), its split's share of
-        the steps of the row's list [main indices[:len] | extra indices[:len_x]]: each step's cache bytes are copied
-        into a staging buffer two steps ahead (`cp.async`), dequantised from it into the row buffer, then the prefill
-        kernel's products. Unsplit: out and lse; SPLIT: the Triton kernel's partials (unnormalised acc, running max
-        and sum, which `sparse_mla.combine_kernel` merges). q strides in units of 8 elements (8 * q_s08, ...)."""
+        the steps of the row's list [main indices[:len] | extra indices[:len_x]] (module docstring: step i + 1
+        dequantised under step i's scores product). Unsplit: out and lse; SPLIT: the Triton kernel's partials
+        (unnormalised acc, running max and sum, which `sparse_mla.combine_kernel` merges). q strides in units of 8
+        elements (8 * q_s08, ...)."""
         gl.static_assert(gl.num_warps() == 8)
         D: gl.constexpr = 512
         H: gl.constexpr = 64
         BN: gl.constexpr = 64
         G_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-        R1: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
+        # the staging layouts place row r in the same threads: converting between their row slices moves nothing
+        P2: gl.constexpr = gl.BlockedLayout([1, 1, 16], [4, 2, 4], [8, 1, 1], [2, 1, 0])
+        P1: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 1, 8], [8, 1, 1], [2, 1, 0])
+        RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, P2))
         t = gl.program_id(0).to(gl.int64)
         b = t // s_q
         j = t % s_q
@@ -326,52 +357,70 @@ if gluon is not None:
 
         heads_g = gl.arange(0, H, layout=gl.SliceLayout(1, G_L))
         dims_g = gl.arange(0, D, layout=gl.SliceLayout(0, G_L))
-        PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])     # a buffer index, then the dims
-        PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], _SH)
-        kvb = gl.allocate_shared_memory(gl.bfloat16, [BN, D], _SH)
-        st_codes = gl.allocate_shared_memory(gl.uint8, [2, BN, 8, 64], PLAIN3)
-        st_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], PLAIN2)
-        st_scale = gl.allocate_shared_memory(gl.uint8, [2, BN, 8], PLAIN2)
+        kvb = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], _SH)
+        st4 = gl.allocate_shared_memory(gl.uint8, [BN, 4, 64], PLAIN)
+        st2 = gl.allocate_shared_memory(gl.uint8, [BN, 2, 64], PLAIN)
+        st1 = gl.allocate_shared_memory(gl.uint8, [BN, 1, 64], PLAIN)
         async_copy.async_copy_global_to_shared(
             q_smem, q_ptr + b * (q_s08 * 8) + j * (q_s18 * 8) + (heads_g * (q_s28 * 8))[:, None] + dims_g[None, :])
         async_copy.commit_group()
 
+        rows = gl.arange(0, BN, layout=RL)
+        # step 0: codes staged, RoPE into row buffer 0, scale words in registers; then dequantised into buffer 0
+        raw = _raw_slots(idx_row, x_row, i_s2, x_s2, t_lo, tiles_main, n_main, n_x, rows, EXTRA)
+        src, row, sc, ok_a = _addresses(raw, t_lo, t_hi, tiles_main, num_rows, x_num_rows, page_stride,
+                                        x_page_stride, cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
+        _stage_codes(src, row, ok_a, st4, st2, st1, P2, P1)
+        _stage_rope(src, row, ok_a, kvb.index(0), RP)
+        words = _scale_words(src, sc, ok_a)
+        raw = _raw_slots(idx_row, x_row, i_s2, x_s2, t_lo + 1, tiles_main, n_main, n_x, rows, EXTRA)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _dequant_staged(st4, st2, st1, words, kvb.index(0), P2, P1)
+        gl.thread_barrier()                  # the staging buffers read
+        # step 1's codes staged and scale words loaded; its RoPE waits for row buffer 1's first reader
+        src, row_b, sc, ok_b = _addresses(raw, t_lo + 1, t_hi, tiles_main, num_rows, x_num_rows, page_stride,
+                                          x_page_stride, cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
+        src_b = src
+        _stage_codes(src, row_b, ok_b, st4, st2, st1, P2, P1)
+        words = _scale_words(src, sc, ok_b)
+        raw = _raw_slots(idx_row, x_row, i_s2, x_s2, t_lo + 2, tiles_main, n_main, n_x, rows, EXTRA)
+
         scale = sm_scale * 1.4426950408889634
-        rows = gl.arange(0, BN, layout=R1)
-        # rows staged two steps ahead: step t's copies are issued once step t - 2's staged bytes are dequantised
-        slot, ok_a, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, t_lo, tiles_main, n_main, n_x, num_rows,
-                                          x_num_rows, rows, EXTRA)
-        ok_a = ok_a & (t_lo < t_hi)
-        _stage_step(cache_ptr, x_cache_ptr, page_stride, x_page_stride, slot, ok_a, is_main, st_codes.index(0),
-                    st_rope.index(0), st_scale.index(0), BS, X_BS, EXTRA)
-        slot, ok_b, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, t_lo + 1, tiles_main, n_main, n_x, num_rows,
-                                          x_num_rows, rows, EXTRA)
-        ok_b = ok_b & (t_lo + 1 < t_hi)
-        _stage_step(cache_ptr, x_cache_ptr, page_stride, x_page_stride, slot, ok_b, is_main, st_codes.index(1),
-                    st_rope.index(1), st_scale.index(1), BS, X_BS, EXTRA)
         m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
         l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
-        acc = warpgroup_mma_init(gl.zeros([H, D], gl.float32, _O_MMA))
+        acc = gl.zeros([H, D], gl.float32, _O_MMA)
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
+        fence_async_shared()
+        gl.thread_barrier()                  # row buffer 0 written
         for tile in range(t_lo, t_hi):
             sb = (tile - t_lo) % 2
-            slot, ok_c, is_main = _step_slots(idx_row, x_row, i_s2, x_s2, tile + 2, tiles_main, n_main, n_x,
-                                              num_rows, x_num_rows, rows, EXTRA)
-            ok_c = ok_c & (tile + 2 < t_hi)
-            async_copy.wait_group(1)         # step tile's group (and Q's) landed; step tile + 1's may still fly
+            kv = kvb.index(sb)
+            nxt = kvb.index(1 - sb)
+            s_tok = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            _stage_rope(src_b, row_b, ok_b, nxt, RP)
+            async_copy.wait_group(1)         # step tile + 1's codes (the RoPE may still fly)
+            gl.thread_barrier()
+            _dequant_staged(st4, st2, st1, words, nxt, P2, P1)
+            gl.thread_barrier()              # the staging buffers read
+            src, row_c, sc, ok_c = _addresses(raw, tile + 2, t_hi, tiles_main, num_rows, x_num_rows, page_stride,
+                                              x_page_stride, cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
+            _stage_codes(src, row_c, ok_c, st4, st2, st1, P2, P1)
+            words = _scale_words(src, sc, ok_c)
+            raw = _raw_slots(idx_row, x_row, i_s2, x_s2, tile + 3, tiles_main, n_main, n_x, rows, EXTRA)
+            acc, sc_t = warpgroup_mma_wait(0, deps=[acc, s_tok])
+            m_i, l_i, acc = _online_step(sc_t, gl.convert_layout(ok_a, gl.SliceLayout(0, _S_MMA)), scale, m_i,
+                                         l_i, acc, kv)
             acc = warpgroup_mma_wait(0, deps=[acc])
-            gl.thread_barrier()              # every thread's copies visible; both warpgroups done with kvb
-            _dequant_rows(st_codes.index(sb), st_rope.index(sb), st_scale.index(sb), kvb)
+            async_copy.wait_group(1)         # step tile + 1's RoPE (its codes' group of tile + 2 may fly)
             fence_async_shared()
-            gl.thread_barrier()              # kvb written; the staging buffer free again
-            _stage_step(cache_ptr, x_cache_ptr, page_stride, x_page_stride, slot, ok_c, is_main,
-                        st_codes.index(sb), st_rope.index(sb), st_scale.index(sb), BS, X_BS, EXTRA)
-            s = warpgroup_mma(q_smem, kvb.permute((1, 0)), s_zero, use_acc=False)
-            m_i, l_i, acc = _online_step(s, gl.convert_layout(ok_a, gl.SliceLayout(0, _S_MMA)), scale, m_i, l_i,
-                                         acc, kvb)
+            gl.thread_barrier()              # nxt written, and both warpgroups done with kv
             ok_a = ok_b
             ok_b = ok_c
+            row_b = row_c
+            src_b = src
         acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)
 
@@ -433,8 +482,8 @@ def decode_planned(target: platform.Target, hq: int, q_strides: tuple, fnuz: tup
     `positions` (W + K index columns) of at least MIN_DECODE_STEPS steps (shorter lists keep the Triton kernel's
     lower fixed cost per row: SWA-only B = 256, 2 steps a row, no faster in Gluon). It splits the rows as the Triton
     kernel would (`sparse_mla.decode_splits`: one wave of programs) into the same partials and combine (H100,
-    CUDA-graph replay, NOTES.md "Gluon launches" item 5: C4A B = 8 / 16 / 32 / 48 / 64 16.2 / 23.0 / 29.6 / 37.1 /
-    40.9 us against 22.0 / 33.3 / 42.5 / 52.3 / 57.9 for the Triton kernel). `forced`
+    CUDA-graph replay, NOTES.md "The decode's dequantisation under the scores": C4A B = 8 / 16 / 32 / 48 / 64 16.2 /
+    21.4 / 27.5 / 34.0 / 36.8 us against 22.0 / 32.8 / 42.2 / 52.1 / 58.0 for the Triton kernel). `forced`
     (`ops.sparse_mla.forced_splits`): 1 takes this kernel unsplit whatever the rows, more the Triton kernel."""
     rows_ok = forced == 1 or (forced is None and rows > SMALL_DECODE_ROWS)
     return (gluon is not None and triton_minor(version) in VERIFIED_TRITON and target.backend == "cuda"
