@@ -26,8 +26,8 @@ from torch_dsv4_ops.ops import mqa_logits as logits_ops, sparse_mla as ops
 from . import bench_mqa_logits, bench_sparse_mla as bench, harness
 
 EAGER_CASES = (("c4a", 64), ("c4a", 128), ("c4a", 256), ("swa", 256))
-GRAPH_CASES = (("c4a", 8, 64), ("c4a", 16, 64), ("c4a", 32, 64), ("c4a", 48, 64), ("c4a", 64, 64),
-               ("c4a", 16, 128), ("c4a", 64, 128), ("c4a", 128, 128))
+GRAPH_CASES = (("c4a", 8, 64), ("c4a", 16, 64), ("c4a", 32, 64), ("c4a", 48, 64), ("c4a", 64, 64), ("c4a", 128, 64),
+               ("c4a", 256, 64), ("c4a", 16, 128), ("c4a", 64, 128), ("c4a", 128, 128))
 
 
 @contextlib.contextmanager

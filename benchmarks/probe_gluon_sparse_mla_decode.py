@@ -5,9 +5,8 @@ On the benchmark's decode cases (64 heads; C4A: SWA 128 + top-k 512 from an extr
 sizes it times, by do_bench over the benchmark's input sets: the op's plan, the op with the Gluon path switched
 off (the Triton kernel and its split plan), and both forced to one split (the op then runs the Gluon kernel where
 its rule plans it: lists of at least `MIN_DECODE_STEPS` steps, so not SWA-only), and checks that each agrees with
-the Triton kernel's default. Then, on C4A at more batch sizes and at 64 and 128 heads, the op's plan against the
-Triton kernel by do_bench and by CUDA-graph replay (`probe_decode_graph.txt`). How the kernel came to be:
-benchmarks/NOTES.md, "Sparse MLA decode in Gluon", "The decode's dequantisation under the scores".
+the Triton kernel's default. How the kernel came to be: benchmarks/NOTES.md,
+"Sparse MLA decode in Gluon".
 """
 from __future__ import annotations
 
@@ -15,16 +14,12 @@ import contextlib
 import itertools
 import sys
 
-import torch
-
 from torch_dsv4_ops.kernels import sparse_mla_gluon as gluon_kernels
 from torch_dsv4_ops.ops import sparse_mla as ops
 
 from . import bench_sparse_mla as bench, harness
 
 CASES = (("c4a", 64), ("c4a", 128), ("c4a", 256), ("swa", 256))
-GRAPH_CASES = tuple(("c4a", b, 64) for b in (8, 16, 32, 48, 64, 128, 256)) + tuple(
-    ("c4a", b, 128) for b in (16, 64, 128))
 
 
 @contextlib.contextmanager
@@ -58,23 +53,6 @@ def main(argv=None) -> int:
             d_lse = (results[label][1] - ref_lse).abs().max().item()
             print(f"{kind} B={batch:3d} {label:15s} {us:8.2f} us   against the Triton kernel: out {d_out:.3g}, "
                   f"lse {d_lse:.3g}", flush=True)
-    for kind, batch, hq in GRAPH_CASES:
-        run, out, lse = bench.decode_runner(kind, batch, dev, hq=hq)
-        line = f"{kind} B={batch} hq={hq}:"
-        ref = None
-        for label, gluon in (("triton", False), ("gluon", True)):
-            with _path(gluon, None):
-                run(0)
-                torch.cuda.synchronize()
-                got = (out.clone(), lse.clone())
-                ref = ref or got
-                it = itertools.count()
-                us = harness.time_do_bench(lambda: run(next(it)))
-                graph_us = harness.graph_us_per_call(run)
-            line += (f" {label} {us:.2f}/{graph_us:.2f} us (do_bench/graph) dO "
-                     f"{(got[0].float() - ref[0].float()).abs().max().item():.3g} dL "
-                     f"{(got[1] - ref[1]).abs().max().item():.3g};")
-        print(line, flush=True)
     return 0
 
 

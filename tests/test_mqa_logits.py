@@ -9,15 +9,14 @@ import struct
 
 import pytest
 import torch
-import triton
 
 from oracles import oracle_lookup
 from torch_dsv4_ops import layout, platform
 from torch_dsv4_ops.kernels import mqa_logits as kernels
 from torch_dsv4_ops.ops import mqa_logits as ops
 from torch_dsv4_ops.ops.indexer import indexer_k_quant_and_cache
-from torch_dsv4_ops.testing import (check_compile, check_cuda_graph, check_direct_launches, implementation,
-                                    nonzero_share, poison_, run_opcheck, sync_debug_error)
+from torch_dsv4_ops.testing import (check_compile, check_cuda_graph, check_direct_launches, gluon_runs_direct,
+                                    implementation, nonzero_share, poison_, run_opcheck, sync_debug_error)
 
 PREFILL = torch.ops.dsv4.fp8_fp4_mqa_logits.default
 PREFILL_OUT = torch.ops.dsv4.fp8_fp4_mqa_logits_out.default
@@ -599,11 +598,9 @@ def test_compile_paged_no_recompile(device):
 def test_gluon_paged_launches_directly(monkeypatch):
     """Where the Gluon paged path runs, a repeated call of one signature skips Triton's JIT and writes what Triton's
     public path writes."""
-    from torch_dsv4_ops.kernels import _launch, mqa_logits_gluon as gk
+    from torch_dsv4_ops.kernels import mqa_logits_gluon as gk
 
-    target = platform.target_for(torch.device("cuda"))
-    if gk.gluon is None or (target.backend, target.arch) != ("cuda", 90) or not _launch.direct_launch_policy()[0] \
-            or _launch.triton_minor(triton.__version__) not in gk.VERIFIED_TRITON:
+    if not gluon_runs_direct(gk):
         pytest.skip("the Gluon paged path runs on sm_90 with a verified Triton only")
     case = PagedCase(**PAGED_CASES["n2-h64-bs64-sm90"])
     args = case.args(torch.device("cuda"))

@@ -27,7 +27,6 @@ import random
 
 import pytest
 import torch
-import triton
 
 import torch_dsv4_ops as d
 from torch_dsv4_ops import layout, platform
@@ -37,8 +36,8 @@ from torch_dsv4_ops.library import cpu_implementation
 from torch_dsv4_ops.ops import sparse_mla as ops
 from torch_dsv4_ops.ops.sparse_mla import forced_splits
 from torch_dsv4_ops.testing import (assert_close, check_compile, check_cuda_graph, check_direct_launches,
-                                    implementation, nonzero_share, poison_, run_opcheck, sync_debug_error,
-                                    triton_cache_entries)
+                                    gluon_runs_direct, implementation, nonzero_share, poison_, run_opcheck,
+                                    sync_debug_error, triton_cache_entries)
 
 IMPLS = ["reference", "kernel"]
 D = 512
@@ -476,11 +475,9 @@ def test_decode_gluon_heads(device, name, splits):
 def test_gluon_decode_launches_directly(monkeypatch):
     """Where the Gluon decode runs, a repeated call of one signature skips Triton's JIT and writes what Triton's
     public path writes (host time: eager calls of small batches were bound by it)."""
-    from torch_dsv4_ops.kernels import _launch, sparse_mla_gluon as gk
+    from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
 
-    target = platform.target_for(torch.device("cuda"))
-    if gk.gluon is None or (target.backend, target.arch) != ("cuda", 90) or not _launch.direct_launch_policy()[0] \
-            or _launch.triton_minor(triton.__version__) not in gk.VERIFIED_TRITON:
+    if not gluon_runs_direct(gk):
         pytest.skip("the Gluon decode runs on sm_90 with a verified Triton only")
     case = DecodeCase(GLUON_HEADS["h64-c4a-sq2"], torch.device("cuda"))
     with forced_splits(1):

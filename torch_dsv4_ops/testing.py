@@ -228,6 +228,20 @@ def triton_cache_entries(kernel) -> int:
     return sum(len(entry[0]) for entry in caches.values())
 
 
+def gluon_runs_direct(module) -> bool:
+    """Whether a `kernels/*_gluon.py` module's Gluon path runs on this machine's CUDA device with direct launches:
+    Gluon present, sm_90, a Triton version the module verified, the direct launch policy on."""
+    import triton
+
+    from . import platform
+    from .kernels import _launch
+
+    target = platform.target_for(torch.device("cuda"))
+    return (module.gluon is not None and (target.backend, target.arch) == ("cuda", 90)
+            and _launch.direct_launch_policy()[0]
+            and _launch.triton_minor(triton.__version__) in module.VERIFIED_TRITON)
+
+
 def check_direct_launches(launcher, call: Callable[[], Sequence[torch.Tensor]], monkeypatch, plans: dict,
                           what: str) -> Sequence[torch.Tensor]:
     """A FastLauncher's launches (kernels/_launch.py) of one signature: after two calls of `call` (the first

@@ -109,12 +109,21 @@ if gluon is not None:
         return out, lse, m_i * 0.6931471805599453
 
     @gluon.jit
-    def _slots(idx_row, i_s2, it, n_sel, num_rows, rows, STEP: gl.constexpr):
+    def _entries(idx_row, i_s2, it, n_sel, rows):
+        """Index entries (int32; -1 past the list's n_sel) of step `it`'s 64 positions."""
+        pos = it * 64 + rows
+        return gl.load(idx_row + pos * i_s2, mask=pos < n_sel, other=-1)
+
+    @gluon.jit
+    def _valid(raw, num_rows):
+        """Slots (int64, 0 where not selected) of index entries raw, and which are selected rows."""
+        ok = (raw >= 0) & (raw < num_rows)
+        return gl.where(ok, raw, 0).to(gl.int64), ok
+
+    @gluon.jit
+    def _slots(idx_row, i_s2, it, n_sel, num_rows, rows):
         """Slots (int64, 0 where not selected) of step `it`'s positions and which are selected rows."""
-        pos = it * STEP + rows
-        slot = gl.load(idx_row + pos * i_s2, mask=pos < n_sel, other=-1)
-        ok = (slot >= 0) & (slot < num_rows)
-        return gl.where(ok, slot, 0).to(gl.int64), ok
+        return _valid(_entries(idx_row, i_s2, it, n_sel, rows), num_rows)
 
     @gluon.jit
     def _gather(kv_ptr, slot, ok, kv_s0, buf, dims_g):
@@ -159,7 +168,7 @@ if gluon is not None:
         kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], _SH)
         async_copy.async_copy_global_to_shared(q_smem, q_ptr + t * q_s0 + (rows_g * q_s1)[:, None] + dims_g[None, :])
         async_copy.commit_group()
-        slot_g, ok_g = _slots(idx_row, i_s2, 0, n_sel, num_rows, rows_g, BN)
+        slot_g, ok_g = _slots(idx_row, i_s2, 0, n_sel, num_rows, rows_g)
         _gather(kv_ptr, slot_g, ok_g, kv_s0, kv_smem.index(0), dims_g)
 
         scale = sm_scale * 1.4426950408889634
@@ -168,13 +177,13 @@ if gluon is not None:
         l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
         acc = gl.zeros([H, D], gl.float32, _O_MMA)
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
-        _, ok_s = _slots(idx_row, i_s2, 0, n_sel, num_rows, keys, BN)
+        _, ok_s = _slots(idx_row, i_s2, 0, n_sel, num_rows, keys)
         # O of step it runs asynchronously under step it + 1's gather wait and scores; the next gather is issued
         # once both products that read its buffer are done
         acc = warpgroup_mma_init(acc)
         for it in range(0, steps):
-            slot_g, ok_g = _slots(idx_row, i_s2, it + 1, n_sel, num_rows, rows_g, BN)
-            _, ok_next = _slots(idx_row, i_s2, it + 1, n_sel, num_rows, keys, BN)
+            slot_g, ok_g = _slots(idx_row, i_s2, it + 1, n_sel, num_rows, rows_g)
+            _, ok_next = _slots(idx_row, i_s2, it + 1, n_sel, num_rows, keys)
             async_copy.wait_group(0)
             fence_async_shared()
             gl.thread_barrier()
@@ -199,25 +208,24 @@ if gluon is not None:
 
 
     @gluon.jit
-    def _row_offsets(slot, page_stride, BS: gl.constexpr):
-        """Byte offsets of rows `slot` of an fp8_ds_mla cache of block size BS: each row's data, its scale bytes."""
+    def _cache_rows(raw, num_rows, page_stride, BS: gl.constexpr):
+        """The rows of index entries raw in an fp8_ds_mla cache of block size BS: each row's data and scale-byte
+        offsets (bytes), and which are selected rows."""
+        slot, ok = _valid(raw, num_rows)
         blk = slot // BS
         off = slot - blk * BS
-        return blk * page_stride + off * _DATA_BYTES, blk * page_stride + BS * _DATA_BYTES + off * _SCALE_BYTES
+        return blk * page_stride + off * _DATA_BYTES, blk * page_stride + BS * _DATA_BYTES + off * _SCALE_BYTES, ok
 
     @gluon.jit
     def _raw_slots(idx_row, x_row, i_s2, x_s2, tile, tiles_main, n_main, n_x, rows, EXTRA: gl.constexpr):
         """Index entries (int32; -1 past the list) of step `tile` of the list [main[:n_main] | extra[:n_x]]."""
         if EXTRA:
             if tile < tiles_main:
-                pos = tile * 64 + rows
-                raw = gl.load(idx_row + pos * i_s2, mask=pos < n_main, other=-1)
+                raw = _entries(idx_row, i_s2, tile, n_main, rows)
             else:
-                pos = (tile - tiles_main) * 64 + rows
-                raw = gl.load(x_row + pos * x_s2, mask=pos < n_x, other=-1)
+                raw = _entries(x_row, x_s2, tile - tiles_main, n_x, rows)
         else:
-            pos = tile * 64 + rows
-            raw = gl.load(idx_row + pos * i_s2, mask=pos < n_main, other=-1)
+            raw = _entries(idx_row, i_s2, tile, n_main, rows)
         return raw
 
     @gluon.jit
@@ -227,15 +235,12 @@ if gluon is not None:
         src = cache_ptr
         if EXTRA:
             if tile < tiles_main:
-                ok = (raw >= 0) & (raw < num_rows)
-                row, sc = _row_offsets(gl.where(ok, raw, 0).to(gl.int64), page_stride, BS)
+                row, sc, ok = _cache_rows(raw, num_rows, page_stride, BS)
             else:
-                ok = (raw >= 0) & (raw < x_num_rows)
-                row, sc = _row_offsets(gl.where(ok, raw, 0).to(gl.int64), x_page_stride, X_BS)
+                row, sc, ok = _cache_rows(raw, x_num_rows, x_page_stride, X_BS)
                 src = x_cache_ptr
         else:
-            ok = (raw >= 0) & (raw < num_rows)
-            row, sc = _row_offsets(gl.where(ok, raw, 0).to(gl.int64), page_stride, BS)
+            row, sc, ok = _cache_rows(raw, num_rows, page_stride, BS)
         return src, row, sc, ok & (tile < t_hi)
 
     @gluon.jit
