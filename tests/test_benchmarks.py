@@ -81,3 +81,26 @@ def test_ab_variants_loads_a_module_copy(tmp_path):
     assert topk.REG_CAP != {"cuda": 80} and topk.MAX_HALVINGS == 2
     cuda = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda")
     assert module.constexprs(topk.MODE_PREFILL, 8192, 512, cuda)["HALVINGS"] == 1
+
+
+def test_sm_rate_probe_configs_make_decode_plans():
+    """benchmarks/probe_sm_rates.py's config strings give the tile dicts the decode plan takes (so the GPU-only probe
+    keeps working as the plan's keys change)."""
+    import torch
+
+    from benchmarks import probe_sm_rates
+    from torch_dsv4_ops import platform
+    from torch_dsv4_ops.kernels import attention as kernels
+
+    target = platform.target_for(torch.device("cpu"))
+    geo = kernels.Geometry(hq=32, hkv=8, d=128, bs=16, x=8, k_std=True, v_align=16)
+    numerics = kernels.make_numerics(torch.bfloat16, None, torch.bfloat16, target)
+    assert probe_sm_rates.decode_tiles("default", geo, target) is None
+    chunks = probe_sm_rates.decode_tiles("16:1:3:11:c", geo, target)
+    assert chunks["loop"] == kernels.LOOP_TABLE_CHUNKS and chunks["at_most"] and chunks["num_warps"] == 1
+    assert chunks["chunk"] == kernels.table_chunk(16, 16, target)
+    prefetch = probe_sm_rates.decode_tiles("32:2:1:4:r", geo, target)
+    assert prefetch["loop"] == kernels.LOOP_REGISTERS and not prefetch["k_groups"] and prefetch["BLOCK_H"] == 16
+    for tiles in (chunks, prefetch, probe_sm_rates.decode_tiles("64:2:2:4:p", geo, target)):
+        meta = kernels.decode_constexprs(geo, kernels.Features(), numerics, tiles, 3)
+        assert meta["BLOCK_N"] == tiles["BLOCK_N"] and meta["LOOP"] == tiles["loop"] and meta["SPLIT"]
