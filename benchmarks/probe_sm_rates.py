@@ -20,7 +20,6 @@ import os
 import statistics
 
 import torch
-import triton
 
 from torch_dsv4_ops import platform
 from torch_dsv4_ops.kernels import attention as kernels
@@ -32,12 +31,12 @@ LOOPS = {"r": kernels.LOOP_REGISTERS, "p": kernels.LOOP_PIPELINE, "c": kernels.L
 READ_ELEMENTS = 256 * 2**20          # fp32: 1 GiB
 
 
-def decode_tiles(config: str, geo: kernels.Geometry, target: platform.Target) -> dict | None:
-    """The `_decode_tiles` dict of a config string; None for `default`."""
+def decode_tiles(config: str, geo: kernels.Geometry, target: platform.Target, block_h: int) -> dict | None:
+    """The `_decode_tiles` dict of a config string, with the committed plan's BLOCK_H; None for `default`."""
     if config == "default":
         return None
     block_n, warps, stages, per_sm, loop = config.split(":")
-    tiles = dict(BLOCK_H=max(16, triton.next_power_of_2(geo.group)), BLOCK_N=int(block_n), num_warps=int(warps),
+    tiles = dict(BLOCK_H=block_h, BLOCK_N=int(block_n), num_warps=int(warps),
                  num_stages=int(stages), per_sm=int(per_sm), loop=LOOPS[loop], k_groups=loop != "r")
     if loop == "c":
         tiles.update(chunk=kernels.table_chunk(geo.bs, int(block_n), target), at_most=True)
@@ -108,7 +107,8 @@ def main() -> int:
             print(f"{k:4d} SMs  torch.sum 1 GiB           {gbps:7.0f} GB/s  {gbps / k:5.1f} GB/s an SM", flush=True)
             for config in args.configs:
                 def tiles(geo, q_dtype, kv_fp8, target, config=config):
-                    return decode_tiles(config, geo, target) or committed(geo, q_dtype, kv_fp8, target)
+                    plan = committed(geo, q_dtype, kv_fp8, target)
+                    return decode_tiles(config, geo, target, plan["BLOCK_H"]) or plan
                 kernels._decode_tiles = tiles
                 ops._CHUNKED_PLANS.clear()
                 whole = _timed(decode)

@@ -95,12 +95,13 @@ def test_sm_rate_probe_configs_make_decode_plans():
     target = platform.target_for(torch.device("cpu"))
     geo = kernels.Geometry(hq=32, hkv=8, d=128, bs=16, x=8, k_std=True, v_align=16)
     numerics = kernels.make_numerics(torch.bfloat16, None, torch.bfloat16, target)
-    assert probe_sm_rates.decode_tiles("default", geo, target) is None
-    chunks = probe_sm_rates.decode_tiles("16:1:3:11:c", geo, target)
+    block_h = kernels.decode_tiles(geo, torch.bfloat16, False, target)["BLOCK_H"]
+    assert probe_sm_rates.decode_tiles("default", geo, target, block_h) is None
+    chunks = probe_sm_rates.decode_tiles("16:1:3:11:c", geo, target, block_h)
     assert chunks["loop"] == kernels.LOOP_TABLE_CHUNKS and chunks["at_most"] and chunks["num_warps"] == 1
     assert chunks["chunk"] == kernels.table_chunk(16, 16, target)
-    prefetch = probe_sm_rates.decode_tiles("32:2:1:4:r", geo, target)
+    prefetch = probe_sm_rates.decode_tiles("32:2:1:4:r", geo, target, block_h)
     assert prefetch["loop"] == kernels.LOOP_REGISTERS and not prefetch["k_groups"] and prefetch["BLOCK_H"] == 16
-    for tiles in (chunks, prefetch, probe_sm_rates.decode_tiles("64:2:2:4:p", geo, target)):
+    for tiles in (chunks, prefetch, probe_sm_rates.decode_tiles("64:2:2:4:p", geo, target, block_h)):
         meta = kernels.decode_constexprs(geo, kernels.Features(), numerics, tiles, 3)
         assert meta["BLOCK_N"] == tiles["BLOCK_N"] and meta["LOOP"] == tiles["loop"] and meta["SPLIT"]
