@@ -337,9 +337,18 @@ class DecodeCase:
                 x_fnuz]
 
 
-def run_decode(case: DecodeCase, impl: str, splits: int | None = None, **kw):
-    ctx = forced_splits(splits) if splits else contextlib.nullcontext()
-    with implementation(impl, case.device), ctx:
+def plan_hooks(splits: int | None = None, programs: int | None = None) -> contextlib.ExitStack:
+    """The decode's test hooks: `splits` forced, the Gluon decode's persistent programs capped at `programs`."""
+    stack = contextlib.ExitStack()
+    if splits:
+        stack.enter_context(forced_splits(splits))
+    if programs:
+        stack.enter_context(ops.forced_programs(programs))
+    return stack
+
+
+def run_decode(case: DecodeCase, impl: str, splits: int | None = None, programs: int | None = None, **kw):
+    with implementation(impl, case.device), plan_hooks(splits, programs):
         return d.flash_mla_with_kvcache(**case.kwargs(**kw))
 
 
@@ -444,7 +453,8 @@ def test_decode_wide_shapes(device, name):
 
 # Calls at 64 and 128 heads: the sm_90 Gluon decode (kernels/sparse_mla_gluon.py) where it is planned (on the CPU
 # the reference), forced unsplit and as the op plans it (on an H100 split into several, some splits of the shorter
-# rows empty). Hostile lengths, NaN-poisoned unused pages, a float8 cache, infinite sinks, a 2-row extra block size.
+# rows empty), each also with 3 persistent programs a head block looping over the work items. Hostile lengths,
+# NaN-poisoned unused pages, a float8 cache, infinite sinks, a 2-row extra block size.
 GLUON_HEADS = {
     "h64-c4a-sq2": DecodeSpec(hq=64, batch=6, s_q=2, width=128, extra_width=160, nb=4, x_nb=5,
                               lens=("full", "part", "one", "zero", "over", "neg"),
@@ -457,9 +467,10 @@ GLUON_HEADS = {
 }
 
 
+@pytest.mark.parametrize("programs", [None, 3], ids=["programs-planned", "programs-3"])
 @pytest.mark.parametrize("splits", [1, None], ids=["unsplit", "op-plan"])
 @pytest.mark.parametrize("name", list(GLUON_HEADS))
-def test_decode_gluon_heads(device, name, splits):
+def test_decode_gluon_heads(device, name, splits, programs):
     from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
 
     impl = "reference" if device.type == "cpu" else "kernel"
@@ -467,8 +478,8 @@ def test_decode_gluon_heads(device, name, splits):
     assert case.spec.width + case.spec.extra_width >= gk.MIN_DECODE_STEPS * 64     # long enough for the Gluon path
     assert case.spec.batch * case.spec.s_q > kernels.SMALL_DECODE_ROWS
     assert_coverage(case)
-    out, lse = run_decode(case, impl, splits)
-    check_decode(case, out, lse, f"{name} [{impl}, splits {splits}]")
+    out, lse = run_decode(case, impl, splits, programs)
+    check_decode(case, out, lse, f"{name} [{impl}, splits {splits}, programs {programs}]")
 
 
 @pytest.mark.gpu
@@ -489,7 +500,8 @@ def test_gluon_decode_launches_directly(monkeypatch):
 def test_gluon_decode_rule():
     """The decode's Gluon kernel is planned on sm_90 with Triton 3.6 only, for multiples of 64 heads, OCP caches, q
     strides that are multiples of 8 elements, more than SMALL_DECODE_ROWS query rows (or one forced split), lists of
-    at least 4 steps and a target with the shared memory a program takes."""
+    at least 2 steps and a target with the shared memory a program takes; its persistent programs: one a work item
+    up to one an SM across the head blocks."""
     from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
 
     sm90 = next(t for t in platform.MATRIX_TARGETS if t.backend == "cuda" and t.arch == 90)
@@ -500,9 +512,11 @@ def test_gluon_decode_rule():
     assert gk.decode_planned(**{**ok, "rows": 1, "forced": 1}) == (gk.gluon is not None)
     assert gk.decode_planned(**{**ok, "hq": 128}) == (gk.gluon is not None)
     for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=96), dict(hq=0), dict(fnuz=(False, True)),
-                   dict(rows=kernels.SMALL_DECODE_ROWS), dict(positions=255), dict(forced=2),
+                   dict(rows=kernels.SMALL_DECODE_ROWS), dict(positions=127), dict(forced=2),
                    dict(q_strides=(64 * 516, 64 * 516, 516, 1))):
         assert not gk.decode_planned(**{**ok, **change}), change
+    calls = ((5, 64, 10), (132, 64, 1), (256, 64, 1), (40, 128, 1), (300, 128, 1), (1, 256, 1))   # rows, hq, splits
+    assert [gk.decode_programs(*call, 132) for call in calls] == [50, 132, 132, 40, 66, 1]
 
 
 # The plans of GPUs with less shared memory (sm_80: 163 KB; sm_86/89/120: 99 KB), run on this GPU: their tiles
@@ -1408,16 +1422,19 @@ def _graph_cases(splits: int | None, hq: int = 16, batch: int = 4):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,hq,batch", [(None, 16, 4), (3, 16, 4), (1, 64, 4), (None, 64, 6)],
-                         ids=["auto-splits", "forced-3", "unsplit-h64", "auto-h64"])
-def test_cuda_graph_decode_replay(splits, hq, batch):
+@pytest.mark.parametrize("splits,hq,batch,programs", [(None, 16, 4, None), (3, 16, 4, None), (1, 64, 4, None),
+                                                      (None, 64, 6, None), (1, 64, 6, 2), (None, 64, 6, 5)],
+                         ids=["auto-splits", "forced-3", "unsplit-h64", "auto-h64", "unsplit-h64-persistent-2",
+                              "auto-h64-persistent-5"])
+def test_cuda_graph_decode_replay(splits, hq, batch, programs):
     """Decode with out/lse/workspace given, captured once; replayed with new q, indices, lengths and cache contents
     copied into the same buffers: equal to eager bit for bit, and eager equals the oracle. At 64 heads the sm_90
-    Gluon kernel where it is planned: unsplit, and split (6 rows) with the combine."""
+    Gluon kernel where it is planned: unsplit, and split (6 rows) with the combine, also with fewer persistent
+    programs than work items."""
     cases = _graph_cases(splits, hq, batch)
 
     def ctx():
-        return forced_splits(splits) if splits else contextlib.nullcontext()
+        return plan_hooks(splits, programs)
 
     with ctx():
         size = d.sparse_mla_workspace_size(batch, 1, hq, "cuda")

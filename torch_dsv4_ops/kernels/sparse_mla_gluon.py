@@ -1,5 +1,5 @@
-"""Sparse MLA on sm_90 in Gluon (Triton 3.6): `flash_mla_sparse_fwd` (prefill over a bf16 workspace) and unsplit
-`flash_mla_with_kvcache` calls (decode over fp8_ds_mla caches).
+"""Sparse MLA on sm_90 in Gluon (Triton 3.6): `flash_mla_sparse_fwd` (prefill over a bf16 workspace) and
+`flash_mla_with_kvcache` (decode over fp8_ds_mla caches).
 
 The Triton kernel (`sparse_mla.sparse_mla_kernel`) keeps an acc tile [64 heads, 512] fp32 in one 8-warp program and
 spills: 31 % of the bf16 matmul rate on an H100 (benchmarks/NOTES.md, "Sparse MLA"). Here the layouts are explicit.
@@ -16,13 +16,17 @@ Online softmax in base 2 as the Triton kernel's; the sink enters the denominator
 * Decode (`sparse_mla_decode_gluon_kernel`): two row buffers. While step i's scores product runs on one, step
   i + 1's codes, copied a step earlier (`cp.async`) into a staging buffer, are dequantised exactly (codes x
   2^(byte - 127), the scale bytes loaded as one 8-byte word a row) into the other, whose RoPE columns are copied
-  straight from the cache. Program (row, split) over its split's share of the row's steps, split as the Triton
-  kernel would be into the same partials for the same combine: planned for calls of more than 4 rows whose lists
-  hold at least 4 steps; up to 4 rows keep the Triton kernel's small-batch plan, shorter lists its lower fixed
-  cost (NOTES.md "Sparse MLA decode in Gluon", "Gluon launches", "The decode's dequantisation under the scores").
+  straight from the cache. Work items (row, split), each over its split's share of the row's steps, split as the
+  Triton kernel would be into the same partials for the same combine. Persistent: at most one program an SM, each
+  over the items p, p + P, ... as one stream of steps, staged two steps ahead across items; an item's Q is copied
+  once the previous item's last scores product is done, its output leaves through the row buffer the last O product
+  read (16-byte stores, whole lines a warp: the accumulator's own layout stored 8 half-sectors an instruction and
+  took 6.6 us of a 2-step item). Planned for calls of more than 4 rows whose lists hold at least 2 steps; up to 4
+  rows keep the Triton kernel's small-batch plan (NOTES.md "Sparse MLA decode in Gluon", "Gluon launches", "The
+  decode's dequantisation under the scores", "A persistent sparse decode").
 
 `prefill_planned` / `decode_planned` say when these paths run: sm_90, Triton 3.6 (Gluon's API moves between
-versions), a multiple of 64 heads (one program a row and block of 64 heads), q strides (and kv's row stride)
+versions), a multiple of 64 heads (a program takes a block of 64 heads), q strides (and kv's row stride)
 multiples of 8 elements, q (and kv) 16-byte aligned (16-byte copies; the op's plans take the Triton kernel for a
 call at other addresses), OCP caches for the decode. Everything else keeps the Triton kernel.
 """
@@ -95,18 +99,25 @@ if gluon is not None:
         return m_new, l_i, acc
 
     @gluon.jit
-    def _finish(acc, m_i, l_i, sink_ptr, SINKS: gl.constexpr):
-        """(out [64, 512] bf16, lse, max_logits) of finished running state, the sink added to the denominator."""
-        heads = gl.arange(0, 64, layout=gl.SliceLayout(1, _S_MMA))
-        denom = l_i
+    def _sink_logits(sink_ptr, heads, SINKS: gl.constexpr):
+        """The sinks of heads (base 2; zeros without sinks), loaded once a program."""
+        z = heads.to(gl.float32) * 0.0
         if SINKS:
             z = gl.load(sink_ptr + heads) * 1.4426950408889634
+        return z
+
+    @gluon.jit
+    def _finish(acc, m_i, l_i, z, SINKS: gl.constexpr):
+        """(out [64, 512] bf16, lse) of finished running state, the sink logits z (`_sink_logits`) added to the
+        denominator."""
+        denom = l_i
+        if SINKS:
             denom = l_i + gl.exp2(z - gl.where(m_i == float("-inf"), 0.0, m_i))
         empty = l_i == 0
         inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, denom))
         lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         out = (acc * gl.convert_layout(inv, gl.SliceLayout(1, _O_MMA))[:, None]).to(gl.bfloat16)
-        return out, lse, m_i * 0.6931471805599453
+        return out, lse
 
     @gluon.jit
     def _entries(idx_row, i_s2, it, n_sel, rows):
@@ -198,10 +209,10 @@ if gluon is not None:
         acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)                 # no copy outlives the program (a token with nothing selected)
 
-        out, lse, mx = _finish(acc, m_i, l_i, sink_ptr, SINKS)
         heads = gl.arange(0, H, layout=gl.SliceLayout(1, _S_MMA))
+        out, lse = _finish(acc, m_i, l_i, _sink_logits(sink_ptr, heads, SINKS), SINKS)
         gl.store(lse_ptr + t * lse_s0 + heads * lse_s1, lse)
-        gl.store(max_ptr + t * max_s0 + heads * max_s1, mx)
+        gl.store(max_ptr + t * max_s0 + heads * max_s1, m_i * 0.6931471805599453)
         h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
         d_o = gl.arange(0, D, layout=gl.SliceLayout(0, _O_MMA))
         gl.store(o_ptr + t * o_s0 + (h_o * o_s1)[:, None] + d_o[None, :], out)
@@ -309,19 +320,90 @@ if gluon is not None:
         _store_nope(c2, _block_scales(words, 4, 2, P2), buf, 4, 2)
         _store_nope(c3, _block_scales(words, 6, 1, P1), buf, 6, 1)
 
-    @gluon.jit(do_not_specialize=("s_q", "width", "x_width", "num_rows", "x_num_rows", "ml_base"))
+    @gluon.jit
+    def _item(k, n_items, splits, s_q, width, x_width, len_ptr, x_len_ptr, len_s, x_len_s, idx_ptr, x_idx_ptr,
+              i_s0, i_s1, x_s0, x_s1, HAS_LEN: gl.constexpr, HAS_X_LEN: gl.constexpr, EXTRA: gl.constexpr):
+        """Work item k = (query row k // splits, split k % splits) of B x s_q rows: its steps [t_lo, t_hi) of the
+        row's list [main indices[:len] | extra indices[:len_x]], t_end = max(t_hi, t_lo + 1) (an empty item takes
+        one masked step, so that its outputs are written), the main list's steps and both lengths, and the row's
+        index rows. Past n_items: an empty item, nothing loaded."""
+        live = k < n_items
+        t = k // splits
+        split = k - t * splits
+        b = (t // s_q).to(gl.int64)
+        j = (t % s_q).to(gl.int64)
+        n_main = width * live.to(gl.int32)
+        if HAS_LEN:
+            n_main = gl.minimum(gl.maximum(gl.load(len_ptr + b * len_s, mask=live, other=0), 0), width)
+        tiles_main = gl.cdiv(n_main, 64)
+        tiles = tiles_main
+        n_x = width * 0
+        if EXTRA:
+            n_x = x_width * live.to(gl.int32)
+            if HAS_X_LEN:
+                n_x = gl.minimum(gl.maximum(gl.load(x_len_ptr + b * x_len_s, mask=live, other=0), 0), x_width)
+            tiles += gl.cdiv(n_x, 64)
+        per = gl.cdiv(tiles, splits)
+        t_lo = split * per
+        t_hi = gl.minimum(t_lo + per, tiles)
+        return (t_lo, t_hi, gl.maximum(t_hi, t_lo + 1), tiles_main, n_main, n_x, idx_ptr + b * i_s0 + j * i_s1,
+                x_idx_ptr + b * x_s0 + j * x_s1)
+
+    @gluon.jit
+    def _advance(k, tile, hi, end, tm, nm, nx, ir, xr, P, n_items, splits, s_q, width, x_width, len_ptr, x_len_ptr,
+                 len_s, x_len_s, idx_ptr, x_idx_ptr, i_s0, i_s1, x_s0, x_s1, HAS_LEN: gl.constexpr,
+                 HAS_X_LEN: gl.constexpr, EXTRA: gl.constexpr):
+        """A cursor (item k, step tile, and `_item`'s fields of k but t_lo) one step on: the next step of item k, or
+        the first of item k + P."""
+        tile += 1
+        if tile >= end:
+            k += P
+            tile, hi, end, tm, nm, nx, ir, xr = _item(k, n_items, splits, s_q, width, x_width, len_ptr, x_len_ptr,
+                                                      len_s, x_len_s, idx_ptr, x_idx_ptr, i_s0, i_s1, x_s0, x_s1,
+                                                      HAS_LEN, HAS_X_LEN, EXTRA)
+        return k, tile, hi, end, tm, nm, nx, ir, xr
+
+    @gluon.jit
+    def _stage_step(raw, cur, caches, P, st4, st2, st1, rows, i_s2, x_s2, item_args, BS: gl.constexpr,
+                    X_BS: gl.constexpr, EXTRA: gl.constexpr, P2: gl.constexpr, P1: gl.constexpr):
+        """Stage the step of cursor cur (`_advance`'s fields; raw: its index entries): its codes copied (one commit
+        group) and scale words loaded; then the cursor one step on and its entries. Returns (src, row, ok, words,
+        next cursor, its entries)."""
+        k, tile, hi, end, tm, nm, nx, ir, xr = cur
+        num_rows, x_num_rows, page_stride, x_page_stride, cache_ptr, x_cache_ptr = caches
+        src, row, sc, ok = _addresses(raw, tile, hi, tm, num_rows, x_num_rows, page_stride, x_page_stride,
+                                      cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
+        _stage_codes(src, row, ok, st4, st2, st1, P2, P1)
+        words = _scale_words(src, sc, ok)
+        cur = _advance(k, tile, hi, end, tm, nm, nx, ir, xr, P, *item_args)
+        _, tile, _, _, tm, nm, nx, ir, xr = cur
+        return src, row, ok, words, cur, _raw_slots(ir, xr, i_s2, x_s2, tile, tm, nm, nx, rows, EXTRA)
+
+    @gluon.jit
+    def _load_q(q_ptr, q_smem, k, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g):
+        """cp.async of item k's query row [64 heads, 512] into q_smem; one commit group."""
+        t = k // splits
+        b = (t // s_q).to(gl.int64)
+        j = (t % s_q).to(gl.int64)
+        async_copy.async_copy_global_to_shared(
+            q_smem, q_ptr + b * (q_s08 * 8) + j * (q_s18 * 8) + (heads_g * (q_s28 * 8))[:, None] + dims_g[None, :])
+        async_copy.commit_group()
+
+    @gluon.jit(do_not_specialize=("s_q", "width", "x_width", "num_rows", "x_num_rows", "ml_base", "n_items",
+                                  "splits"))
     def sparse_mla_decode_gluon_kernel(q_ptr, cache_ptr, idx_ptr, len_ptr, x_cache_ptr, x_idx_ptr, x_len_ptr,
                                        sink_ptr, o_ptr, lse_ptr, part_ptr, s_q, sm_scale, width, x_width, num_rows,
-                                       x_num_rows, page_stride, x_page_stride, ml_base, q_s08, q_s18, q_s28, i_s0,
-                                       i_s1, i_s2, x_s0, x_s1, x_s2, len_s, x_len_s, o_s0, o_s1, o_s2, lse_s0,
-                                       lse_s1, lse_s2, BS: gl.constexpr, X_BS: gl.constexpr, EXTRA: gl.constexpr,
-                                       HAS_LEN: gl.constexpr, HAS_X_LEN: gl.constexpr, SINKS: gl.constexpr,
-                                       SPLIT: gl.constexpr):
-        """Program (t, hb, split): query row t = (b, j) of B x s_q, heads [64 hb, 64 hb + 64), its split's share of
-        the steps of the row's list [main indices[:len] | extra indices[:len_x]] (module docstring: step i + 1
-        dequantised under step i's scores product). Unsplit: out and lse; SPLIT: the Triton kernel's partials
-        (unnormalised acc, running max and sum, which `sparse_mla.combine_kernel` merges). q strides in units of 8
-        elements (8 * q_s08, ...)."""
+                                       x_num_rows, page_stride, x_page_stride, ml_base, n_items, splits, q_s08,
+                                       q_s18, q_s28, i_s0, i_s1, i_s2, x_s0, x_s1, x_s2, len_s, x_len_s, o_s0, o_s1,
+                                       o_s2, lse_s0, lse_s1, lse_s2, BS: gl.constexpr, X_BS: gl.constexpr,
+                                       EXTRA: gl.constexpr, HAS_LEN: gl.constexpr, HAS_X_LEN: gl.constexpr,
+                                       SINKS: gl.constexpr, SPLIT: gl.constexpr):
+        """Program (p, hb), persistent: heads [64 hb, 64 hb + 64) of the work items p, p + P, ... (P programs on
+        axis 0; item = (query row t = (b, j) of B x s_q, split), `_item`), their steps one stream: step i + 1
+        dequantised under step i's scores product, the stream staged two steps ahead across items, the next item's
+        Q copied once an item's last scores product is done (module docstring). Unsplit: out and lse; SPLIT: the
+        Triton kernel's partials (unnormalised acc, running max and sum, which `sparse_mla.combine_kernel`
+        merges). q strides in units of 8 elements (8 * q_s08, ...)."""
         gl.static_assert(gl.num_warps() == 8)
         D: gl.constexpr = 512
         H: gl.constexpr = 64
@@ -332,34 +414,17 @@ if gluon is not None:
         P1: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 1, 8], [8, 1, 1], [2, 1, 0])
         RP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
         RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, P2))
-        t = gl.program_id(0).to(gl.int64)
-        b = t // s_q
-        j = t % s_q
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        item_args = (n_items, splits, s_q, width, x_width, len_ptr, x_len_ptr, len_s, x_len_s, idx_ptr, x_idx_ptr,
+                     i_s0, i_s1, x_s0, x_s1, HAS_LEN, HAS_X_LEN, EXTRA)
         h0 = gl.program_id(1).to(gl.int64) * H          # the program's first head
         hq = gl.num_programs(1) * H
         q_ptr = q_ptr + h0 * (q_s28 * 8)
         o_ptr = o_ptr + h0 * o_s2
         lse_ptr = lse_ptr + h0 * lse_s1
-        sink_ptr = sink_ptr + h0
-        n_main = width
-        if HAS_LEN:
-            n_main = gl.minimum(gl.maximum(gl.load(len_ptr + b * len_s), 0), width)
-        tiles_main = gl.cdiv(n_main, BN)
-        tiles = tiles_main
-        n_x = 0
-        if EXTRA:
-            n_x = x_width
-            if HAS_X_LEN:
-                n_x = gl.minimum(gl.maximum(gl.load(x_len_ptr + b * x_len_s), 0), x_width)
-            tiles += gl.cdiv(n_x, BN)
-        split = gl.program_id(2)
-        splits = gl.num_programs(2)
-        per = gl.cdiv(tiles, splits)
-        t_lo = split * per
-        t_hi = gl.minimum(t_lo + per, tiles)
-        idx_row = idx_ptr + b * i_s0 + j * i_s1
-        x_row = x_idx_ptr + b * x_s0 + j * x_s1
-
+        heads = gl.arange(0, H, layout=gl.SliceLayout(1, _S_MMA))
+        z = _sink_logits(sink_ptr + h0, heads, SINKS)
         heads_g = gl.arange(0, H, layout=gl.SliceLayout(1, G_L))
         dims_g = gl.arange(0, D, layout=gl.SliceLayout(0, G_L))
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
@@ -368,81 +433,109 @@ if gluon is not None:
         st4 = gl.allocate_shared_memory(gl.uint8, [BN, 4, 64], PLAIN)
         st2 = gl.allocate_shared_memory(gl.uint8, [BN, 2, 64], PLAIN)
         st1 = gl.allocate_shared_memory(gl.uint8, [BN, 1, 64], PLAIN)
-        async_copy.async_copy_global_to_shared(
-            q_smem, q_ptr + b * (q_s08 * 8) + j * (q_s18 * 8) + (heads_g * (q_s28 * 8))[:, None] + dims_g[None, :])
-        async_copy.commit_group()
+        k0 = pid
+        _load_q(q_ptr, q_smem, k0, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g)
+        total = pid * 0                      # the program's steps
+        for kk in range(pid, n_items, P):
+            lo, _, end, _, _, _, _, _ = _item(kk, *item_args)
+            total += end - lo
 
         rows = gl.arange(0, BN, layout=RL)
-        # step 0: codes staged, RoPE into row buffer 0, scale words in registers; then dequantised into buffer 0
-        raw = _raw_slots(idx_row, x_row, i_s2, x_s2, t_lo, tiles_main, n_main, n_x, rows, EXTRA)
-        src, row, sc, ok_a = _addresses(raw, t_lo, t_hi, tiles_main, num_rows, x_num_rows, page_stride,
-                                        x_page_stride, cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
+        # three cursors (item, step): c0 computed, c1 staged, c2 its index entries loaded
+        lo, hi, end, tm, nm, nx, ir, xr = _item(k0, *item_args)
+        raw = _raw_slots(ir, xr, i_s2, x_s2, lo, tm, nm, nx, rows, EXTRA)
+        src, row, sc, ok_a = _addresses(raw, lo, hi, tm, num_rows, x_num_rows, page_stride, x_page_stride,
+                                        cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
         _stage_codes(src, row, ok_a, st4, st2, st1, P2, P1)
         _stage_rope(src, row, ok_a, kvb.index(0), RP)
         words = _scale_words(src, sc, ok_a)
-        raw = _raw_slots(idx_row, x_row, i_s2, x_s2, t_lo + 1, tiles_main, n_main, n_x, rows, EXTRA)
+        tile = lo
+        k1, tile, hi, end, tm, nm, nx, ir, xr = _advance(k0, tile, hi, end, tm, nm, nx, ir, xr, P, *item_args)
+        raw = _raw_slots(ir, xr, i_s2, x_s2, tile, tm, nm, nx, rows, EXTRA)
         async_copy.wait_group(0)
         gl.thread_barrier()
         _dequant_staged(st4, st2, st1, words, kvb.index(0), P2, P1)
         gl.thread_barrier()                  # the staging buffers read
-        # step 1's codes staged and scale words loaded; its RoPE waits for row buffer 1's first reader
-        src, row_b, sc, ok_b = _addresses(raw, t_lo + 1, t_hi, tiles_main, num_rows, x_num_rows, page_stride,
-                                          x_page_stride, cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
-        src_b = src
-        _stage_codes(src, row_b, ok_b, st4, st2, st1, P2, P1)
-        words = _scale_words(src, sc, ok_b)
-        raw = _raw_slots(idx_row, x_row, i_s2, x_s2, t_lo + 2, tiles_main, n_main, n_x, rows, EXTRA)
+        # c1's codes staged and scale words loaded; its RoPE waits for row buffer 1's first reader
+        caches = (num_rows, x_num_rows, page_stride, x_page_stride, cache_ptr, x_cache_ptr)
+        src_b, row_b, ok_b, words, cur, raw = _stage_step(raw, (k1, tile, hi, end, tm, nm, nx, ir, xr), caches, P,
+                                                          st4, st2, st1, rows, i_s2, x_s2, item_args, BS, X_BS,
+                                                          EXTRA, P2, P1)
+        k2 = cur[0]
+        last0 = k1 != k0                     # c0 / c1 is its item's last step
+        last1 = k2 != k1
 
         scale = sm_scale * 1.4426950408889634
         m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
         l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
         acc = gl.zeros([H, D], gl.float32, _O_MMA)
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
+        h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
+        d_o = gl.arange(0, D, layout=gl.SliceLayout(0, _O_MMA))
+        q_wait = pid < 0
         fence_async_shared()
         gl.thread_barrier()                  # row buffer 0 written
-        for tile in range(t_lo, t_hi):
-            sb = (tile - t_lo) % 2
-            kv = kvb.index(sb)
-            nxt = kvb.index(1 - sb)
+        for g in range(0, total):
+            kv = kvb.index(g % 2)
+            nxt = kvb.index(1 - g % 2)
+            if q_wait:                       # c0 opens an item after the first: its Q
+                async_copy.wait_group(0)
+                fence_async_shared()
+                gl.thread_barrier()
             s_tok = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             _stage_rope(src_b, row_b, ok_b, nxt, RP)
-            async_copy.wait_group(1)         # step tile + 1's codes (the RoPE may still fly)
+            async_copy.wait_group(1)         # c1's codes (the RoPE may still fly)
             gl.thread_barrier()
             _dequant_staged(st4, st2, st1, words, nxt, P2, P1)
             gl.thread_barrier()              # the staging buffers read
-            src, row_c, sc, ok_c = _addresses(raw, tile + 2, t_hi, tiles_main, num_rows, x_num_rows, page_stride,
-                                              x_page_stride, cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
-            _stage_codes(src, row_c, ok_c, st4, st2, st1, P2, P1)
-            words = _scale_words(src, sc, ok_c)
-            raw = _raw_slots(idx_row, x_row, i_s2, x_s2, tile + 3, tiles_main, n_main, n_x, rows, EXTRA)
+            src, row_c, ok_c, words, cur, raw = _stage_step(raw, cur, caches, P, st4, st2, st1, rows, i_s2, x_s2,
+                                                            item_args, BS, X_BS, EXTRA, P2, P1)
+            k3 = cur[0]
             acc, sc_t = warpgroup_mma_wait(0, deps=[acc, s_tok])
+            if last0:
+                gl.thread_barrier()          # both warpgroups' scores done: Q free for the next item
+                if k0 + P < n_items:
+                    _load_q(q_ptr, q_smem, k0 + P, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g)
             m_i, l_i, acc = _online_step(sc_t, gl.convert_layout(ok_a, gl.SliceLayout(0, _S_MMA)), scale, m_i,
                                          l_i, acc, kv)
             acc = warpgroup_mma_wait(0, deps=[acc])
-            async_copy.wait_group(1)         # step tile + 1's RoPE (its codes' group of tile + 2 may fly)
+            if last0:
+                t = (k0 // splits).to(gl.int64)
+                if SPLIT:
+                    # partials of (t, h, split): acc at ((t*Hq + h)*splits + split)*D, (max, sum) at ml_base + 2*that
+                    split = k0 % splits
+                    prow = (t * hq + h0 + h_o) * splits + split
+                    gl.store(part_ptr + (prow * D)[:, None] + d_o[None, :], acc)
+                    prow = (t * hq + h0 + heads) * splits + split
+                    gl.store(part_ptr + ml_base + 2 * prow, m_i)
+                    gl.store(part_ptr + ml_base + 2 * prow + 1, l_i)
+                else:
+                    b = t // s_q
+                    j = t % s_q
+                    out, lse = _finish(acc, m_i, l_i, z, SINKS)
+                    gl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + j * lse_s2, lse)
+                    # through the row buffer the O product just read: 16-byte stores, whole lines a warp
+                    gl.thread_barrier()
+                    kv.store(out)
+                    gl.thread_barrier()
+                    gl.store(o_ptr + b * o_s0 + j * o_s1 + (heads_g * o_s2)[:, None] + dims_g[None, :], kv.load(G_L))
+                m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
+                l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
+                acc = gl.zeros([H, D], gl.float32, _O_MMA)
+            async_copy.wait_group(1)         # c1's RoPE (c2's codes, or the next Q, may fly)
             fence_async_shared()
             gl.thread_barrier()              # nxt written, and both warpgroups done with kv
+            q_wait = last0
             ok_a = ok_b
             ok_b = ok_c
             row_b = row_c
             src_b = src
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        async_copy.wait_group(0)
-
-        heads = gl.arange(0, H, layout=gl.SliceLayout(1, _S_MMA))
-        h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
-        d_o = gl.arange(0, D, layout=gl.SliceLayout(0, _O_MMA))
-        if SPLIT:
-            # partials of (t, h, split): acc at ((t*Hq + h)*splits + split)*D, (max, sum) at ml_base + 2*that row
-            prow = (t * hq + h0 + h_o) * splits + split
-            gl.store(part_ptr + (prow * D)[:, None] + d_o[None, :], acc)
-            prow = (t * hq + h0 + heads) * splits + split
-            gl.store(part_ptr + ml_base + 2 * prow, m_i)
-            gl.store(part_ptr + ml_base + 2 * prow + 1, l_i)
-        else:
-            out, lse, _ = _finish(acc, m_i, l_i, sink_ptr, SINKS)
-            gl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + j * lse_s2, lse)
-            gl.store(o_ptr + b * o_s0 + j * o_s1 + (h_o * o_s2)[:, None] + d_o[None, :], out)
+            k0 = k1
+            k1 = k2
+            k2 = k3
+            last0 = last1
+            last1 = k3 != k1
+        async_copy.wait_group(0)             # no copy outlives the program
 
 
 if gluon is not None:
@@ -476,7 +569,7 @@ def bind_prefill(q, kv, indices, sm_scale: float, topk_length, attn_sink, out, m
     return launch
 
 
-MIN_DECODE_STEPS = 4                 # index columns (main + extra) of at least this many 64-row steps
+MIN_DECODE_STEPS = 2                 # index columns (main + extra) of at least this many 64-row steps
 
 
 def decode_planned(target: platform.Target, hq: int, q_strides: tuple, fnuz: tuple, rows: int, positions: int,
@@ -484,11 +577,11 @@ def decode_planned(target: platform.Target, hq: int, q_strides: tuple, fnuz: tup
     """Whether a decode call runs the Gluon kernel: sm_90, Triton 3.6, a multiple of 64 heads, OCP caches (`fnuz`:
     each cache's flag), q strides multiples of 8 elements, the target's shared memory enough for a program, more than
     SMALL_DECODE_ROWS query rows (B·s_q; fewer take the Triton kernel's small-batch plan of 16-head blocks) and
-    `positions` (W + K index columns) of at least MIN_DECODE_STEPS steps (shorter lists keep the Triton kernel's
-    lower fixed cost per row: SWA-only B = 256, 2 steps a row, no faster in Gluon). It splits the rows as the Triton
-    kernel would (`sparse_mla.decode_splits`: one wave of programs) into the same partials and combine (H100,
-    CUDA-graph replay, NOTES.md "The decode's dequantisation under the scores": C4A B = 8 / 16 / 32 / 48 / 64 16.2 /
-    21.4 / 27.5 / 34.0 / 36.8 us against 22.0 / 32.8 / 42.2 / 52.1 / 58.0 for the Triton kernel). `forced`
+    `positions` (W + K index columns) of at least MIN_DECODE_STEPS steps (a one-step list was not measured). It
+    splits the rows as the Triton kernel would (`sparse_mla.decode_splits`: one wave of items) into the same
+    partials and combine (H100, CUDA-graph replay, NOTES.md "The decode's dequantisation under the scores" and "A
+    persistent sparse decode": C4A B = 8 / 16 / 32 / 48 / 64 16.2 / 21.4 / 27.5 / 34.0 / 36.8 us against 22.0 /
+    32.8 / 42.2 / 52.1 / 58.0 for the Triton kernel). `forced`
     (`ops.sparse_mla.forced_splits`): 1 takes this kernel unsplit whatever the rows, more the Triton kernel."""
     rows_ok = forced == 1 or (forced is None and rows > SMALL_DECODE_ROWS)
     return (gluon is not None and triton_minor(version) in VERIFIED_TRITON and target.backend == "cuda"
@@ -497,19 +590,27 @@ def decode_planned(target: platform.Target, hq: int, q_strides: tuple, fnuz: tup
             and platform.shared_memory_limit(target) >= DECODE_SHARED_MEMORY)
 
 
+def decode_programs(rows: int, hq: int, splits: int, multiprocessor_count: int) -> int:
+    """Programs a head block of a decode call runs (the grid's axis 0): one per work item (row, split) up to one
+    per SM across the head blocks; past that, each loops over several items."""
+    return max(1, min(rows * splits, multiprocessor_count // (hq // HEADS)))
+
+
 def bind_decode(q, indices, extra_indices, topk_length, extra_topk_length, attn_sink, out, lse, softmax_scale,
-                main, extra, splits: int, ml_base: int):
-    """The launch of a decode call `decode_planned` accepted (grid B·s_q x splits): a callable of the Triton
-    kernel's twelve tensors (q, cache, indices, lengths, extra cache, extra indices, extra lengths, sink, out, lse,
-    lse, partials), for q at a 16-byte aligned address (a `FastLauncher` launch). main / extra: the caches'
-    (num_blocks, bs, page stride) (`ops.sparse_mla.CacheInfo`). splits > 1: the partials go to the fp32 workspace
-    in the Triton kernel's layout (`sparse_mla.workspace_elements`, its (max, sum) pairs from `ml_base`)."""
+                main, extra, splits: int, ml_base: int, programs: int):
+    """The launch of a decode call `decode_planned` accepted (grid `programs` x head blocks, `decode_programs`):
+    a callable of the Triton kernel's twelve tensors (q, cache, indices, lengths, extra cache, extra indices,
+    extra lengths, sink, out, lse, lse, partials), for q at a 16-byte aligned address (a `FastLauncher` launch).
+    main / extra: the caches' (num_blocks, bs, page stride) (`ops.sparse_mla.CacheInfo`). splits > 1: the
+    partials go to the fp32 workspace in the Triton kernel's layout (`sparse_mla.workspace_elements`, its (max,
+    sum) pairs from `ml_base`)."""
     batch, s_q = q.shape[0], q.shape[1]
     xi = extra_indices if extra is not None else indices
     ints = (s_q, float(softmax_scale), indices.shape[2], xi.shape[2] if extra is not None else 0,
             main.num_blocks * main.bs, extra.num_blocks * extra.bs if extra is not None else 0, main.page_stride,
-            extra.page_stride if extra is not None else main.page_stride, ml_base, q.stride(0) // 8, q.stride(1) // 8,
-            q.stride(2) // 8, *indices.stride(), *xi.stride(), topk_length.stride(0) if topk_length is not None else 0,
+            extra.page_stride if extra is not None else main.page_stride, ml_base, batch * s_q * splits, splits,
+            q.stride(0) // 8, q.stride(1) // 8, q.stride(2) // 8, *indices.stride(), *xi.stride(),
+            topk_length.stride(0) if topk_length is not None else 0,
             extra_topk_length.stride(0) if extra_topk_length is not None else 0, *out.stride()[:3], *lse.stride())
     meta = dict(BS=main.bs, X_BS=extra.bs if extra is not None else main.bs, EXTRA=extra is not None,
                 HAS_LEN=topk_length is not None, HAS_X_LEN=extra_topk_length is not None and extra is not None,
@@ -518,7 +619,7 @@ def bind_decode(q, indices, extra_indices, topk_length, extra_topk_length, attn_
     dtypes = (q.dtype, torch.uint8, indices.dtype, _dtype(topk_length, indices.dtype), torch.uint8, xi.dtype,
               _dtype(extra_topk_length, indices.dtype), _dtype(attn_sink, lse.dtype),
               out.dtype, lse.dtype, torch.float32)
-    fast = DECODE_LAUNCHER.bind((batch * s_q, q.shape[2] // HEADS, splits), dtypes, ints, meta, q.device)
+    fast = DECODE_LAUNCHER.bind((programs, q.shape[2] // HEADS), dtypes, ints, meta, q.device)
 
     def launch(q, cache, indices, lens, x_cache, x_indices, x_lens, sink, out, lse, _lse, part):
         fast(q, cache, indices, lens, x_cache, x_indices, x_lens, sink, out, lse, part)

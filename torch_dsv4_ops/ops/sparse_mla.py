@@ -204,6 +204,7 @@ def check_prefill_out(checked: Prefill, q, out, max_logits, lse) -> None:
 # --- plans ---------------------------------------------------------------------------------------------------
 class _Splits:
     forced: int | None = None
+    programs: int | None = None      # the Gluon decode's programs a head block (forced_programs)
 
 
 SPLITS = _Splits()
@@ -221,6 +222,20 @@ def forced_splits(splits: int):
         yield
     finally:
         SPLITS.forced = previous
+
+
+@contextlib.contextmanager
+def forced_programs(programs: int):
+    """Inside, the sm_90 Gluon decode runs at most `programs` persistent programs a head block, each looping over
+    several work items (a test hook: on the test sizes every program would otherwise take one item)."""
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"programs must be an int >= 1, got {programs!r}")
+    previous = SPLITS.programs
+    SPLITS.programs = programs
+    try:
+        yield
+    finally:
+        SPLITS.programs = previous
 
 
 def sparse_mla_workspace_size(B: int, s_q: int, Hq: int, device) -> int:
@@ -295,8 +310,12 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     grid = (checked.rows, kernels.head_blocks(checked.hq, target, small), splits)
     launch = kernels.SPARSE_LAUNCHER.bind(grid, dtypes, ints, meta, device)
     if gluon:
+        programs = sparse_mla_gluon.decode_programs(checked.rows, checked.hq, splits, sms)
+        if SPLITS.programs is not None:
+            programs = min(programs, SPLITS.programs)
         gluon_launch = sparse_mla_gluon.bind_decode(q, indices, extra_indices, topk_length, extra_topk_length,
-                                                    attn_sink, out, lse, softmax_scale, main, extra, splits, ml_base)
+                                                    attn_sink, out, lse, softmax_scale, main, extra, splits, ml_base,
+                                                    programs)
         launch = ByAlignment(gluon_launch, launch, (0,), 16)
     if splits == 1:
         return DecodePlan(launch, None, 0)
@@ -317,7 +336,7 @@ def _decode_run(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extr
     args = (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
             softmax_scale, use_fnuz, extra_use_fnuz, out, lse, workspace)
     sig = signature("decode", args) + (
-        forced, k_cache.data_ptr() % layout.DS_MLA_CACHE_ALIGN,
+        forced, SPLITS.programs, k_cache.data_ptr() % layout.DS_MLA_CACHE_ALIGN,
         extra_k_cache.data_ptr() % layout.DS_MLA_CACHE_ALIGN if extra_k_cache is not None else None,
         workspace.data_ptr() % 16 if workspace is not None else None)
     plan = _DECODE_PLANS.get(sig, MISSING)
