@@ -693,11 +693,19 @@ def test_decode_every_split_count(device):
     check_decode(case, out, lse, "automatic splits")
 
 
-def test_forced_splits_bounds():
+def test_plan_hooks_bounds():
+    """forced_splits and forced_programs reject counts out of range or not ints, and restore on exit."""
     for bad in (0, 33, -1, 2.0, True):
         with pytest.raises(ValueError, match="splits"):
             with forced_splits(bad):
                 pass
+    for bad in (0, -1, 2.0, True, None):
+        with pytest.raises(ValueError, match="programs"):
+            with ops.forced_programs(bad):
+                pass
+    with ops.forced_programs(2):
+        assert ops.SPLITS.programs == 2
+    assert ops.SPLITS.programs is None
 
 
 def test_half_tiles_rule():

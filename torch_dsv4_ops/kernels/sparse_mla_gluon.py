@@ -350,17 +350,13 @@ if gluon is not None:
                 x_idx_ptr + b * x_s0 + j * x_s1)
 
     @gluon.jit
-    def _advance(k, tile, hi, end, tm, nm, nx, ir, xr, P, n_items, splits, s_q, width, x_width, len_ptr, x_len_ptr,
-                 len_s, x_len_s, idx_ptr, x_idx_ptr, i_s0, i_s1, x_s0, x_s1, HAS_LEN: gl.constexpr,
-                 HAS_X_LEN: gl.constexpr, EXTRA: gl.constexpr):
+    def _advance(k, tile, hi, end, tm, nm, nx, ir, xr, P, item_args):
         """A cursor (item k, step tile, and `_item`'s fields of k but t_lo) one step on: the next step of item k, or
-        the first of item k + P."""
+        the first of item k + P (item_args: `_item`'s arguments after k)."""
         tile += 1
         if tile >= end:
             k += P
-            tile, hi, end, tm, nm, nx, ir, xr = _item(k, n_items, splits, s_q, width, x_width, len_ptr, x_len_ptr,
-                                                      len_s, x_len_s, idx_ptr, x_idx_ptr, i_s0, i_s1, x_s0, x_s1,
-                                                      HAS_LEN, HAS_X_LEN, EXTRA)
+            tile, hi, end, tm, nm, nx, ir, xr = _item(k, *item_args)
         return k, tile, hi, end, tm, nm, nx, ir, xr
 
     @gluon.jit
@@ -375,7 +371,7 @@ if gluon is not None:
                                       cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
         _stage_codes(src, row, ok, st4, st2, st1, P2, P1)
         words = _scale_words(src, sc, ok)
-        cur = _advance(k, tile, hi, end, tm, nm, nx, ir, xr, P, *item_args)
+        cur = _advance(k, tile, hi, end, tm, nm, nx, ir, xr, P, item_args)
         _, tile, _, _, tm, nm, nx, ir, xr = cur
         return src, row, ok, words, cur, _raw_slots(ir, xr, i_s2, x_s2, tile, tm, nm, nx, rows, EXTRA)
 
@@ -450,7 +446,7 @@ if gluon is not None:
         _stage_rope(src, row, ok_a, kvb.index(0), RP)
         words = _scale_words(src, sc, ok_a)
         tile = lo
-        k1, tile, hi, end, tm, nm, nx, ir, xr = _advance(k0, tile, hi, end, tm, nm, nx, ir, xr, P, *item_args)
+        k1, tile, hi, end, tm, nm, nx, ir, xr = _advance(k0, tile, hi, end, tm, nm, nx, ir, xr, P, item_args)
         raw = _raw_slots(ir, xr, i_s2, x_s2, tile, tm, nm, nx, rows, EXTRA)
         async_copy.wait_group(0)
         gl.thread_barrier()
