@@ -7,8 +7,8 @@ kernel (H100, Triton 3.6): `python -m benchmarks.probe_gluon_launch`.
    returns, before any synchronisation) and do_bench's GPU time (which flushes L2 between calls and so hides the
    host's time behind the flush).
 2. CUDA-graph replay (no host cost) of the decode at several batch sizes: the Triton kernel's own plan, the Gluon
-   kernel forced unsplit, and the op's plan (the Gluon kernel split as the Triton kernel would be), at 64 heads and
-   at 128 (two programs a row, one per 64 heads).
+   kernel forced unsplit, and the op's plan (the Gluon kernel split as the Triton kernel would be, its programs
+   persistent: at most one an SM), at 64 heads and at 128 (a program a block of 64 heads), C4A and SWA-only.
 Each line also gives the largest difference from the Triton kernel's result. NOTES.md: "Gluon launches".
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ from . import bench_mqa_logits, bench_sparse_mla as bench, harness
 
 EAGER_CASES = (("c4a", 64), ("c4a", 128), ("c4a", 256), ("swa", 256))
 GRAPH_CASES = (("c4a", 8, 64), ("c4a", 16, 64), ("c4a", 32, 64), ("c4a", 48, 64), ("c4a", 64, 64), ("c4a", 128, 64),
-               ("c4a", 256, 64), ("c4a", 16, 128), ("c4a", 64, 128), ("c4a", 128, 128))
+               ("c4a", 256, 64), ("c4a", 16, 128), ("c4a", 64, 128), ("c4a", 128, 128), ("swa", 8, 64),
+               ("swa", 64, 64), ("swa", 256, 64), ("swa", 512, 64))
 
 
 @contextlib.contextmanager
