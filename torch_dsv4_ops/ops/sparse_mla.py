@@ -211,31 +211,30 @@ SPLITS = _Splits()
 
 
 @contextlib.contextmanager
+def _overridden(name: str, value: int):
+    """Inside, SPLITS.<name> is value."""
+    previous = getattr(SPLITS, name)
+    setattr(SPLITS, name, value)
+    try:
+        yield
+    finally:
+        setattr(SPLITS, name, previous)
+
+
 def forced_splits(splits: int):
     """Inside, flash_mla_with_kvcache splits every row's selection into exactly `splits` parts (a test hook:
     every split count must give the unsplit result within tolerance)."""
     if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= kernels.MAX_SPLITS:
         raise ValueError(f"splits must be an int in [1, {kernels.MAX_SPLITS}], got {splits!r}")
-    previous = SPLITS.forced
-    SPLITS.forced = splits
-    try:
-        yield
-    finally:
-        SPLITS.forced = previous
+    return _overridden("forced", splits)
 
 
-@contextlib.contextmanager
 def forced_programs(programs: int):
     """Inside, the sm_90 Gluon decode runs at most `programs` persistent programs a head block, each looping over
     several work items (a test hook: on the test sizes every program would otherwise take one item)."""
     if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
         raise ValueError(f"programs must be an int >= 1, got {programs!r}")
-    previous = SPLITS.programs
-    SPLITS.programs = programs
-    try:
-        yield
-    finally:
-        SPLITS.programs = previous
+    return _overridden("programs", programs)
 
 
 def sparse_mla_workspace_size(B: int, s_q: int, Hq: int, device) -> int:
