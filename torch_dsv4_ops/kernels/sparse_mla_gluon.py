@@ -13,17 +13,19 @@ Online softmax in base 2 as the Triton kernel's; the sink enters the denominator
   t + 1's wait for its rows and its scores; the copy of step t + 1 is issued once step t - 1's products (which read
   its buffer) are done, and runs under step t's softmax and O. H100: 44.8-46.0 % of the bf16 matmul rate on the
   benchmark's case (the Triton kernel 31-33 %).
-* Decode (`sparse_mla_decode_gluon_kernel`): two row buffers. While step i's scores product runs on one, step
-  i + 1's codes, copied a step earlier (`cp.async`) into a staging buffer, are dequantised exactly (codes x
-  2^(byte - 127), the scale bytes loaded as one 8-byte word a row) into the other, whose RoPE columns are copied
-  straight from the cache. Work items (row, split), each over its split's share of the row's steps, split as the
+* Decode (`sparse_mla_decode_gluon_kernel`): two row buffers. While step i's O product runs on one, step i + 1's
+  codes, copied a step earlier (`cp.async`) into a staging buffer, are dequantised exactly (codes x 2^(byte - 127),
+  the scale bytes loaded as one 8-byte word a row) into the other, whose RoPE columns are copied straight from the
+  cache (under the scores product, which reads shared memory at its limit, the dequantisation gained nothing over
+  running after it; under the compute-bound O product it gains). Work items (row, split), each over its split's share of the row's steps, split as the
   Triton kernel would be into the same partials for the same combine. Persistent: at most one program an SM, each
   over the items p, p + P, ... as one stream of steps, staged two steps ahead across items; an item's Q is copied
   once the previous item's last scores product is done, its output leaves through the row buffer the last O product
   read (16-byte stores, whole lines a warp: the accumulator's own layout stored 8 half-sectors an instruction and
   took 6.6 us of a 2-step item). Planned for calls of more than 4 rows whose lists hold at least 2 steps; up to 4
   rows keep the Triton kernel's small-batch plan (NOTES.md "Sparse MLA decode in Gluon", "Gluon launches", "The
-  decode's dequantisation under the scores", "A persistent sparse decode").
+  decode's dequantisation under the scores", "A persistent sparse decode", "The dequantisation under the O
+  product").
 
 `prefill_planned` / `decode_planned` say when these paths run: sm_90, Triton 3.6 (Gluon's API moves between
 versions), a multiple of 64 heads (a program takes a block of 64 heads), q strides (and kv's row stride)
@@ -309,16 +311,17 @@ if gluon is not None:
         buf.slice(64 * B0, 64 * NB, dim=1).store(gl.reshape(val.to(gl.bfloat16), [codes.shape[0], 64 * NB]))
 
     @gluon.jit
-    def _dequant_staged(st4, st2, st1, words, buf, P2: gl.constexpr, P1: gl.constexpr):
-        """The staged codes of 64 rows dequantised with their scale words into buf[:, 0:448]."""
-        c0 = st4.slice(0, 2, dim=1).load(P2)
-        c1 = st4.slice(2, 2, dim=1).load(P2)
-        c2 = st2.load(P2)
-        c3 = st1.load(P1)
-        _store_nope(c0, _block_scales(words, 0, 2, P2), buf, 0, 2)
-        _store_nope(c1, _block_scales(words, 2, 2, P2), buf, 2, 2)
-        _store_nope(c2, _block_scales(words, 4, 2, P2), buf, 4, 2)
-        _store_nope(c3, _block_scales(words, 6, 1, P1), buf, 6, 1)
+    def _dequant_staged(st4, st2, st1, words, buf, P1: gl.constexpr):
+        """The staged codes of 64 rows dequantised with their scale words into buf[:, 0:448], a block at a time in
+        P1 (loads and bf16 stores free of bank conflicts; two-block pieces stored in two wavefronts each)."""
+        for b in gl.static_range(7):
+            if b < 4:
+                c = st4.slice(b, 1, dim=1).load(P1)
+            elif b < 6:
+                c = st2.slice(b - 4, 1, dim=1).load(P1)
+            else:
+                c = st1.load(P1)
+            _store_nope(c, _block_scales(words, b, 1, P1), buf, b, 1)
 
     @gluon.jit
     def _item(k, n_items, splits, s_q, width, x_width, len_ptr, x_len_ptr, len_s, x_len_s, idx_ptr, x_idx_ptr,
@@ -396,7 +399,7 @@ if gluon is not None:
                                        SINKS: gl.constexpr, SPLIT: gl.constexpr):
         """Program (p, hb), persistent: heads [64 hb, 64 hb + 64) of the work items p, p + P, ... (P programs on
         axis 0; item = (query row t = (b, j) of B x s_q, split), `_item`), their steps one stream: step i + 1
-        dequantised under step i's scores product, the stream staged two steps ahead across items, the next item's
+        dequantised under step i's O product, the stream staged two steps ahead across items, the next item's
         Q copied once an item's last scores product is done (module docstring). Unsplit: out and lse; SPLIT: the
         Triton kernel's partials (unnormalised acc, running max and sum, which `sparse_mla.combine_kernel`
         merges). q strides in units of 8 elements (8 * q_s08, ...)."""
@@ -450,7 +453,7 @@ if gluon is not None:
         raw = _raw_slots(ir, xr, i_s2, x_s2, tile, tm, nm, nx, rows, EXTRA)
         async_copy.wait_group(0)
         gl.thread_barrier()
-        _dequant_staged(st4, st2, st1, words, kvb.index(0), P2, P1)
+        _dequant_staged(st4, st2, st1, words, kvb.index(0), P1)
         gl.thread_barrier()                  # the staging buffers read
         # c1's codes staged and scale words loaded; its RoPE waits for row buffer 1's first reader
         caches = (num_rows, x_num_rows, page_stride, x_page_stride, cache_ptr, x_cache_ptr)
@@ -480,20 +483,20 @@ if gluon is not None:
                 gl.thread_barrier()
             s_tok = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             _stage_rope(src_b, row_b, ok_b, nxt, RP)
-            async_copy.wait_group(1)         # c1's codes (the RoPE may still fly)
-            gl.thread_barrier()
-            _dequant_staged(st4, st2, st1, words, nxt, P2, P1)
-            gl.thread_barrier()              # the staging buffers read
-            src, row_c, ok_c, words, cur, raw = _stage_step(raw, cur, caches, P, st4, st2, st1, rows, i_s2, x_s2,
-                                                            item_args, BS, X_BS, EXTRA, P2, P1)
-            k3 = cur[0]
             acc, sc_t = warpgroup_mma_wait(0, deps=[acc, s_tok])
+            async_copy.wait_group(1)         # c1's codes (the RoPE may still fly)
             if last0:
                 gl.thread_barrier()          # both warpgroups' scores done: Q free for the next item
                 if k0 + P < n_items:
                     _load_q(q_ptr, q_smem, k0 + P, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g)
             m_i, l_i, acc = _online_step(sc_t, gl.convert_layout(ok_a, gl.SliceLayout(0, _S_MMA)), scale, m_i,
                                          l_i, acc, kv)
+            gl.thread_barrier()
+            _dequant_staged(st4, st2, st1, words, nxt, P1)
+            gl.thread_barrier()              # the staging buffers read
+            src, row_c, ok_c, words, cur, raw = _stage_step(raw, cur, caches, P, st4, st2, st1, rows, i_s2, x_s2,
+                                                            item_args, BS, X_BS, EXTRA, P2, P1)
+            k3 = cur[0]
             acc = warpgroup_mma_wait(0, deps=[acc])
             if last0:
                 t = (k0 // splits).to(gl.int64)
