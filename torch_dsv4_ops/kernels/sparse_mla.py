@@ -29,6 +29,7 @@ from ..reference.k_cache import fp8_format
 from ._launch import FastLauncher, launch_options  # noqa: F401  (ops use kernels.launch_options)
 from .attention import device_multiprocessors  # noqa: F401  (ops plan splits with it)
 from .attention import _online_weights, _softmax_step, write_out
+from .early import pdl_open, pdl_wait
 from .fp8 import fp8_decode
 
 SOURCE_FP8, SOURCE_BF16 = 0, 1     # constexpr SOURCE: paged fp8_ds_mla caches (decode), bf16 rows (prefill)
@@ -277,10 +278,13 @@ def sparse_mla_kernel(
 @triton.jit
 def combine_kernel(
     sink_ptr, o_ptr, lse_ptr, part_ptr, s_q, Hq, splits, ml_base, o_s0, o_s1, o_s2, lse_s0, lse_s1, lse_s2,
-    BLOCK_S: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr, O_BITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr, O_BITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, h): merge the `splits` (<= BLOCK_S) partials of row t, head h exactly (one [BLOCK_S, D]
-    tile), add the sink, write out and lse."""
+    tile), add the sink, write out and lse. PDL (sm_90+): launched as a programmatic dependent of the decode kernel
+    (its launch overlaps the decode's end), it waits for the partials before its first load."""
+    pdl_open(PDL, 0)
+    pdl_wait(PDL, 0)
     t = tl.program_id(0).to(tl.int64)
     b = t // s_q
     j = t % s_q
@@ -415,10 +419,11 @@ def constexprs(target: platform.Target, main: Source, extra: Source | None, has_
 
 
 def combine_constexprs(target: platform.Target, sinks: bool, splits: int) -> dict:
-    """The combine tile holds the call's split count padded to a power of two (a function of shapes)."""
+    """The combine tile holds the call's split count padded to a power of two (a function of shapes); PDL where the
+    target has programmatic dependent launch."""
     block_s = triton.next_power_of_2(splits)
     return dict(BLOCK_S=block_s, D=layout.HEAD_DIM, SINKS=sinks, O_BITS=target.backend == "interpreter",
-                num_warps=4 if block_s <= 8 else 8)
+                PDL=platform.supports_pdl(target), num_warps=4 if block_s <= 8 else 8)
 
 
 # --- compile matrix ---------------------------------------------------------------------------------------
