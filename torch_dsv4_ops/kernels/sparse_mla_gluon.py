@@ -17,15 +17,15 @@ Online softmax in base 2 as the Triton kernel's; the sink enters the denominator
   codes, copied a step earlier (`cp.async`) into a staging buffer, are dequantised exactly (codes x 2^(byte - 127),
   the scale bytes loaded as one 8-byte word a row) into the other, whose RoPE columns are copied straight from the
   cache (under the scores product, which reads shared memory at its limit, the dequantisation gained nothing over
-  running after it; under the compute-bound O product it gains). Work items (row, split), each over its split's share of the row's steps, split as the
-  Triton kernel would be into the same partials for the same combine. Persistent: at most one program an SM, each
-  over the items p, p + P, ... as one stream of steps, staged two steps ahead across items; an item's Q is copied
-  once the previous item's last scores product is done, its output leaves through the row buffer the last O product
-  read (16-byte stores, whole lines a warp: the accumulator's own layout stored 8 half-sectors an instruction and
-  took 6.6 us of a 2-step item). Planned for calls of more than 4 rows whose lists hold at least 2 steps; up to 4
-  rows keep the Triton kernel's small-batch plan (NOTES.md "Sparse MLA decode in Gluon", "Gluon launches", "The
-  decode's dequantisation under the scores", "A persistent sparse decode", "The dequantisation under the O
-  product").
+  running after it; under the compute-bound O product it gains). Work items (row, split), each over its split's
+  share of the row's steps, split as the Triton kernel would be into the same partials for the same combine.
+  Persistent: at most one program an SM, each over the items p, p + P, ... as one stream of steps, staged two steps
+  ahead across items; an item's Q is copied once the previous item's last scores product is done, its output leaves
+  through the row buffer the last O product read (16-byte stores, whole lines a warp: the accumulator's own layout
+  stored 8 half-sectors an instruction and took 6.6 us of a 2-step item). Planned for calls of more than 4 rows
+  whose lists hold at least 2 steps; up to 4 rows keep the Triton kernel's small-batch plan (NOTES.md "Sparse MLA
+  decode in Gluon", "Gluon launches", "The decode's dequantisation under the scores", "A persistent sparse decode",
+  "The dequantisation under the O product").
 
 `prefill_planned` / `decode_planned` say when these paths run: sm_90, Triton 3.6 (Gluon's API moves between
 versions), a multiple of 64 heads (a program takes a block of 64 heads), q strides (and kv's row stride)
