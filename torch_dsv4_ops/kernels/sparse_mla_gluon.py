@@ -491,7 +491,7 @@ if gluon is not None:
                     _load_q(q_ptr, q_smem, k0 + P, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g)
             m_i, l_i, acc = _online_step(sc_t, gl.convert_layout(ok_a, gl.SliceLayout(0, _S_MMA)), scale, m_i,
                                          l_i, acc, kv)
-            gl.thread_barrier()
+            gl.thread_barrier()              # c1's codes, copied by every thread, visible to all
             _dequant_staged(st4, st2, st1, words, nxt, P1)
             gl.thread_barrier()              # the staging buffers read
             src, row_c, ok_c, words, cur, raw = _stage_step(raw, cur, caches, P, st4, st2, st1, rows, i_s2, x_s2,
