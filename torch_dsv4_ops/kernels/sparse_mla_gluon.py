@@ -13,19 +13,21 @@ Online softmax in base 2 as the Triton kernel's; the sink enters the denominator
   t + 1's wait for its rows and its scores; the copy of step t + 1 is issued once step t - 1's products (which read
   its buffer) are done, and runs under step t's softmax and O. H100: 44.8-46.0 % of the bf16 matmul rate on the
   benchmark's case (the Triton kernel 31-33 %).
-* Decode (`sparse_mla_decode_gluon_kernel`): two row buffers. While step i's O product runs on one, step i + 1's
-  codes, copied a step earlier (`cp.async`) into a staging buffer, are dequantised exactly (codes x 2^(byte - 127),
-  the scale bytes loaded as one 8-byte word a row) into the other, whose RoPE columns are copied straight from the
-  cache (under the scores product, which reads shared memory at its limit, the dequantisation gained nothing over
-  running after it; under the compute-bound O product it gains). Work items (row, split), each over its split's
-  share of the row's steps, split as the Triton kernel would be into the same partials for the same combine.
-  Persistent: at most one program an SM, each over the items p, p + P, ... as one stream of steps, staged two steps
-  ahead across items; an item's Q is copied once the previous item's last scores product is done, its output leaves
-  through the row buffer the last O product read (16-byte stores, whole lines a warp: the accumulator's own layout
-  stored 8 half-sectors an instruction and took 6.6 us of a 2-step item). Planned for calls of more than 4 rows
-  whose lists hold at least 2 steps; up to 4 rows keep the Triton kernel's small-batch plan (NOTES.md "Sparse MLA
-  decode in Gluon", "Gluon launches", "The decode's dequantisation under the scores", "A persistent sparse decode",
-  "The dequantisation under the O product").
+* Decode (`sparse_mla_decode_gluon_kernel`): two row buffers. While step i's O product runs on one, step i + 1's codes,
+  copied a step earlier (`cp.async`) into a staging buffer, are dequantised exactly (codes x 2^(byte - 127), the scale
+  bytes loaded as one 8-byte word a row) into the other, whose RoPE columns are copied straight from the cache (under
+  the scores product, which reads shared memory at its limit, the dequantisation gained nothing over running after it;
+  under the compute-bound O product it gains). Work items (row, split), each over its split's share of the row's steps,
+  split as the Triton kernel would be into the same partials for the same combine. Persistent: at most one program an
+  SM, each over the items p, p + P, ... as one stream of steps, staged two steps ahead across items. Q and the two row
+  buffers are three buffers that rotate: an item's last step copies the next item's Q into the buffer the previous
+  step's rows left free as it starts, and takes the old Q's buffer for the next step's rows once its scores product is
+  done (the copy waited a step later before, C4A B = 256 -6 %, SWA-only B = 256 -10 %). An item's output leaves through
+  the row buffer the last O product read (16-byte stores, whole lines a warp: the accumulator's own layout stored 8
+  half-sectors an instruction and took 6.6 us of a 2-step item). Planned for calls of more than 4 rows whose lists hold
+  at least 2 steps; up to 4 rows keep the Triton kernel's small-batch plan (NOTES.md "Sparse MLA decode in Gluon",
+  "Gluon launches", "The decode's dequantisation under the scores", "A persistent sparse decode", "The dequantisation
+  under the O product", "The next item's Q a step earlier").
 
 `prefill_planned` / `decode_planned` say when these paths run: sm_90, Triton 3.6 (Gluon's API moves between
 versions), a multiple of 64 heads (a program takes a block of 64 heads), q strides (and kv's row stride)
@@ -400,9 +402,9 @@ if gluon is not None:
         """Program (p, hb), persistent: heads [64 hb, 64 hb + 64) of the work items p, p + P, ... (P programs on
         axis 0; item = (query row t = (b, j) of B x s_q, split), `_item`), their steps one stream: step i + 1
         dequantised under step i's O product, the stream staged two steps ahead across items, the next item's
-        Q copied once an item's last scores product is done (module docstring). Unsplit: out and lse; SPLIT: the
-        Triton kernel's partials (unnormalised acc, running max and sum, which `sparse_mla.combine_kernel`
-        merges). q strides in units of 8 elements (8 * q_s08, ...)."""
+        Q copied as an item's last step starts, into the row buffer the step before left free (module docstring).
+        Unsplit: out and lse; SPLIT: the Triton kernel's partials (unnormalised acc, running max and sum, which
+        `sparse_mla.combine_kernel` merges). q strides in units of 8 elements (8 * q_s08, ...)."""
         gl.static_assert(gl.num_warps() == 8)
         D: gl.constexpr = 512
         H: gl.constexpr = 64
@@ -427,13 +429,13 @@ if gluon is not None:
         heads_g = gl.arange(0, H, layout=gl.SliceLayout(1, G_L))
         dims_g = gl.arange(0, D, layout=gl.SliceLayout(0, G_L))
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], _SH)
-        kvb = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], _SH)
+        # Q and two row buffers, their roles rotating at an item's last step (module docstring)
+        bufs = gl.allocate_shared_memory(gl.bfloat16, [3, BN, D], _SH)
         st4 = gl.allocate_shared_memory(gl.uint8, [BN, 4, 64], PLAIN)
         st2 = gl.allocate_shared_memory(gl.uint8, [BN, 2, 64], PLAIN)
         st1 = gl.allocate_shared_memory(gl.uint8, [BN, 1, 64], PLAIN)
         k0 = pid
-        _load_q(q_ptr, q_smem, k0, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g)
+        _load_q(q_ptr, bufs.index(2), k0, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g)
         total = pid * 0                      # the program's steps
         for kk in range(pid, n_items, P):
             lo, _, end, _, _, _, _, _ = _item(kk, *item_args)
@@ -446,14 +448,14 @@ if gluon is not None:
         src, row, sc, ok_a = _addresses(raw, lo, hi, tm, num_rows, x_num_rows, page_stride, x_page_stride,
                                         cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
         _stage_codes(src, row, ok_a, st4, st2, st1, P2, P1)
-        _stage_rope(src, row, ok_a, kvb.index(0), RP)
+        _stage_rope(src, row, ok_a, bufs.index(0), RP)
         words = _scale_words(src, sc, ok_a)
         tile = lo
         k1, tile, hi, end, tm, nm, nx, ir, xr = _advance(k0, tile, hi, end, tm, nm, nx, ir, xr, P, item_args)
         raw = _raw_slots(ir, xr, i_s2, x_s2, tile, tm, nm, nx, rows, EXTRA)
         async_copy.wait_group(0)
         gl.thread_barrier()
-        _dequant_staged(st4, st2, st1, words, kvb.index(0), P1)
+        _dequant_staged(st4, st2, st1, words, bufs.index(0), P1)
         gl.thread_barrier()                  # the staging buffers read
         # c1's codes staged and scale words loaded; its RoPE waits for row buffer 1's first reader
         caches = (num_rows, x_num_rows, page_stride, x_page_stride, cache_ptr, x_cache_ptr)
@@ -471,24 +473,29 @@ if gluon is not None:
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
         h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
         d_o = gl.arange(0, D, layout=gl.SliceLayout(0, _O_MMA))
-        q_wait = pid < 0
         fence_async_shared()
         gl.thread_barrier()                  # row buffer 0 written
+        ia = pid * 0                         # c0's rows
+        ib = ia + 1                          # c1's rows
+        iq = ia + 2                          # c0's Q
         for g in range(0, total):
-            kv = kvb.index(g % 2)
-            nxt = kvb.index(1 - g % 2)
-            if q_wait:                       # c0 opens an item after the first: its Q
-                async_copy.wait_group(0)
-                fence_async_shared()
-                gl.thread_barrier()
-            s_tok = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            _stage_rope(src_b, row_b, ok_b, nxt, RP)
-            acc, sc_t = warpgroup_mma_wait(0, deps=[acc, s_tok])
-            async_copy.wait_group(1)         # c1's codes (the RoPE may still fly)
-            if last0:
-                gl.thread_barrier()          # both warpgroups' scores done: Q free for the next item
+            kv = bufs.index(ia)
+            s_tok = warpgroup_mma(bufs.index(iq), kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if last0:                        # buffer ib, read by the previous step, takes the next item's Q
                 if k0 + P < n_items:
-                    _load_q(q_ptr, q_smem, k0 + P, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g)
+                    _load_q(q_ptr, bufs.index(ib), k0 + P, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g)
+                else:
+                    async_copy.commit_group()    # an empty group: the waits below count groups
+            else:
+                _stage_rope(src_b, row_b, ok_b, bufs.index(ib), RP)
+            acc, sc_t = warpgroup_mma_wait(0, deps=[acc, s_tok])
+            async_copy.wait_group(1)         # c1's codes (the RoPE, or the next Q, may still fly)
+            i_n = ib
+            if last0:
+                i_n = iq
+                gl.thread_barrier()          # both warpgroups' scores done: the old Q's buffer takes c1's rows
+                _stage_rope(src_b, row_b, ok_b, bufs.index(i_n), RP)
+            nxt = bufs.index(i_n)
             m_i, l_i, acc = _online_step(sc_t, gl.convert_layout(ok_a, gl.SliceLayout(0, _S_MMA)), scale, m_i,
                                          l_i, acc, kv)
             gl.thread_barrier()              # c1's codes, copied by every thread, visible to all
@@ -521,10 +528,13 @@ if gluon is not None:
                 m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
                 l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
                 acc = gl.zeros([H, D], gl.float32, _O_MMA)
-            async_copy.wait_group(1)         # c1's RoPE (c2's codes, or the next Q, may fly)
+            async_copy.wait_group(1)         # c1's RoPE and the next Q (c2's codes may fly)
             fence_async_shared()
             gl.thread_barrier()              # nxt written, and both warpgroups done with kv
-            q_wait = last0
+            if last0:
+                iq = ib
+            ib = ia
+            ia = i_n
             ok_a = ok_b
             ok_b = ok_c
             row_b = row_c
