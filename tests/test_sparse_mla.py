@@ -928,14 +928,17 @@ def test_prefill_matches_oracle(device, impl, name):
     check_prefill(case, out, max_logits, lse, f"{name} [{impl}]")
 
 
+@pytest.mark.parametrize("programs", [None, 5])
 @pytest.mark.parametrize("hq", [64, 128])
-def test_prefill_wide_shapes(device, hq):
+def test_prefill_wide_shapes(device, hq, programs):
+    """64 and 128 heads (the sm_90 Gluon prefill on an H100), its persistent programs as planned (one token
+    each here) and capped at 5, each then looping over 2-3 tokens of different lengths."""
     impl = "reference" if device.type == "cpu" else "kernel"
     case = PrefillCase(PrefillSpec(hq=hq, tokens=12, skv=300, width=200, nan_rows=40, seed=56 + hq), device)
-    with implementation(impl, device):
+    with implementation(impl, device), plan_hooks(programs=programs):
         out, max_logits, lse = d.flash_mla_sparse_fwd(case.q, case.kv, case.idx, case.spec.scale,
                                                       attn_sink=case.sink, topk_length=case.lens)
-    check_prefill(case, out, max_logits, lse, f"wide hq {hq} [{impl}]")
+    check_prefill(case, out, max_logits, lse, f"wide hq {hq}, programs {programs} [{impl}]")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -969,6 +972,8 @@ def test_gluon_prefill_rule():
     for change in (dict(version="3.9.0"), dict(target=sm80), dict(hq=96), dict(hq=16), dict(kv_row_stride=516),
                    dict(q_strides=(64 * 516, 516, 1)), dict(q_strides=(64 * 512 + 4, 512, 1))):
         assert not gk.prefill_planned(**{**ok, **change}), change
+    calls = ((4096, 64), (100, 64), (4096, 128), (1, 256))     # tokens, hq
+    assert [gk.prefill_programs(*call, 132) for call in calls] == [132, 100, 66, 1]
 
 
 # --- the prefill chain: quantize_and_insert -> dequantize_and_gather -> combine_topk_swa_indices -> prefill ---

@@ -9,10 +9,13 @@ output columns each: 128 accumulator registers a thread), P moving through share
 Online softmax in base 2 as the Triton kernel's; the sink enters the denominator at the end only.
 
 * Prefill (`sparse_mla_prefill_gluon_kernel`): each step's 64 selected rows are copied with `cp.async` straight
-  into one of two row buffers (zero-filled where a position is not selected). Step t's O product runs under step
-  t + 1's wait for its rows and its scores; the copy of step t + 1 is issued once step t - 1's products (which read
-  its buffer) are done, and runs under step t's softmax and O. H100: 44.8-46.0 % of the bf16 matmul rate on the
-  benchmark's case (the Triton kernel 31-33 %).
+  into one of two row buffers (zero-filled where a position is not selected). Persistent: at most one program an
+  SM, each over the tokens p, p + P, ... as one stream of steps, Q and the row buffers rotating as the decode's
+  (below). Step t's O product runs under step t + 1's wait for its rows and is waited before step t + 1's scores;
+  the copy of step t + 2 then goes into the buffer it read, under step t + 1's scores, softmax and O. H100:
+  1094-1103 us on the benchmark's case against 1117-1120 for a program a token with the copy issued after the scores
+  (NOTES.md "The next item's Q a step earlier"; 39-46 % of the bf16 matmul rate by machine, the Triton kernel
+  31-33 %).
 * Decode (`sparse_mla_decode_gluon_kernel`): two row buffers. While step i's O product runs on one, step i + 1's codes,
   copied a step earlier (`cp.async`) into a staging buffer, are dequantised exactly (codes x 2^(byte - 127), the scale
   bytes loaded as one 8-byte word a row) into the other, whose RoPE columns are copied straight from the cache (under
@@ -147,15 +150,31 @@ if gluon is not None:
                                                mask=ok[:, None])
         async_copy.commit_group()
 
-    @gluon.jit(do_not_specialize=("width", "num_rows"))
+    @gluon.jit
+    def _token(t, n_tok, width, len_ptr, len_s, idx_ptr, i_s0, HAS_LEN: gl.constexpr):
+        """Token t's selected count (0 past n_tok), its steps (at least one: an empty token takes one masked step,
+        so that its outputs are written) and its index row."""
+        live = t < n_tok
+        n_sel = width * live.to(gl.int32)
+        if HAS_LEN:
+            n_sel = gl.minimum(gl.maximum(gl.load(len_ptr + t * len_s, mask=live, other=0), 0), width)
+        return n_sel, gl.maximum(gl.cdiv(n_sel, 64), 1), idx_ptr + t * i_s0
+
+    @gluon.jit
+    def _copy_q(q_ptr, t, q_s0, q_s1, buf, rows_g, dims_g):
+        """cp.async of token t's query rows [64 heads, 512] into buf; one commit group."""
+        async_copy.async_copy_global_to_shared(buf, q_ptr + t * q_s0 + (rows_g * q_s1)[:, None] + dims_g[None, :])
+        async_copy.commit_group()
+
+    @gluon.jit(do_not_specialize=("width", "num_rows", "n_tok"))
     def sparse_mla_prefill_gluon_kernel(q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, o_ptr, lse_ptr, max_ptr,
-                                        sm_scale, width, num_rows, kv_s8, q_s08, q_s18, i_s0, i_s2, len_s,
+                                        sm_scale, width, num_rows, n_tok, kv_s8, q_s08, q_s18, i_s0, i_s2, len_s,
                                         o_s0, o_s1, lse_s0, lse_s1, max_s0, max_s1,
                                         HAS_LEN: gl.constexpr, SINKS: gl.constexpr):
-        """Program (t, hb): query token t, heads [64 hb, 64 hb + 64), over its selected rows (module docstring).
-        q [Tq, Hq, 512], kv rows 8 * kv_s8 elements apart, q strides (8 * q_s08, 8 * q_s18, 1) (multiples of 8
-        elements the compiler can see: 16-byte copies), indices [Tq, 1, C] with strides (i_s0, -, i_s2), out
-        [Tq, Hq, 512]."""
+        """Program (p, hb), persistent: heads [64 hb, 64 hb + 64) of the query tokens p, p + P, ... (P programs on
+        axis 0) over their selected rows, as one stream of 64-row steps (module docstring). q [Tq, Hq, 512], kv
+        rows 8 * kv_s8 elements apart, q strides (8 * q_s08, 8 * q_s18, 1) (multiples of 8 elements the compiler
+        can see: 16-byte copies), indices [Tq, 1, C] with strides (i_s0, -, i_s2), out [Tq, Hq, 512]."""
         gl.static_assert(gl.num_warps() == 8)
         D: gl.constexpr = 512
         H: gl.constexpr = 64
@@ -164,62 +183,100 @@ if gluon is not None:
         kv_s0 = kv_s8 * 8
         q_s0 = q_s08 * 8
         q_s1 = q_s18 * 8
-        t = gl.program_id(0).to(gl.int64)
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
         h0 = gl.program_id(1).to(gl.int64) * H          # the program's first head
         q_ptr = q_ptr + h0 * q_s1
         o_ptr = o_ptr + h0 * o_s1
         lse_ptr = lse_ptr + h0 * lse_s1
         max_ptr = max_ptr + h0 * max_s1
-        sink_ptr = sink_ptr + h0
-        n_sel = width
-        if HAS_LEN:
-            n_sel = gl.minimum(gl.maximum(gl.load(len_ptr + t * len_s), 0), width)
-        steps = gl.cdiv(n_sel, BN)
-        idx_row = idx_ptr + t * i_s0
         rows_g = gl.arange(0, BN, layout=gl.SliceLayout(1, G_L))
         dims_g = gl.arange(0, D, layout=gl.SliceLayout(0, G_L))
+        keys = gl.arange(0, BN, layout=gl.SliceLayout(0, _S_MMA))
+        heads = gl.arange(0, H, layout=gl.SliceLayout(1, _S_MMA))
+        z = _sink_logits(sink_ptr + h0, heads, SINKS)
+        tok_args = (n_tok, width, len_ptr, len_s, idx_ptr, i_s0, HAS_LEN)
 
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], _SH)
-        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], _SH)
-        async_copy.async_copy_global_to_shared(q_smem, q_ptr + t * q_s0 + (rows_g * q_s1)[:, None] + dims_g[None, :])
-        async_copy.commit_group()
-        slot_g, ok_g = _slots(idx_row, i_s2, 0, n_sel, num_rows, rows_g)
-        _gather(kv_ptr, slot_g, ok_g, kv_s0, kv_smem.index(0), dims_g)
+        # Q and two row buffers, their roles rotating at a token's last step (as the decode's)
+        bufs = gl.allocate_shared_memory(gl.bfloat16, [3, BN, D], _SH)
+        t0 = pid.to(gl.int64)
+        _copy_q(q_ptr, t0, q_s0, q_s1, bufs.index(2), rows_g, dims_g)
+        n0, e0, r0 = _token(t0, *tok_args)
+        slot_g, ok_g = _slots(r0, i_s2, 0, n0, num_rows, rows_g)
+        _gather(kv_ptr, slot_g, ok_g, kv_s0, bufs.index(0), dims_g)
+        sl_s, ok_s = _slots(r0, i_s2, 0, n0, num_rows, keys)
+        total = pid * 0                      # the program's steps
+        for tt in range(pid, n_tok, P):
+            n_t, e_t, r_t = _token(tt.to(gl.int64), *tok_args)    # (names: `_` would change type)
+            total += e_t
+        # the next step's cursor (token t1, step it1)
+        t1 = t0
+        it1 = 1
+        n1 = n0
+        e1 = e0
+        r1 = r0
+        if it1 >= e1:
+            t1 = t0 + P
+            it1 = 0
+            n1, e1, r1 = _token(t1, *tok_args)
 
         scale = sm_scale * 1.4426950408889634
-        keys = gl.arange(0, BN, layout=gl.SliceLayout(0, _S_MMA))
         m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
         l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
         acc = gl.zeros([H, D], gl.float32, _O_MMA)
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
-        _, ok_s = _slots(idx_row, i_s2, 0, n_sel, num_rows, keys)
-        # O of step it runs asynchronously under step it + 1's gather wait and scores; the next gather is issued
-        # once both products that read its buffer are done
-        acc = warpgroup_mma_init(acc)
-        for it in range(0, steps):
-            slot_g, ok_g = _slots(idx_row, i_s2, it + 1, n_sel, num_rows, rows_g)
-            _, ok_next = _slots(idx_row, i_s2, it + 1, n_sel, num_rows, keys)
-            async_copy.wait_group(0)
-            fence_async_shared()
-            gl.thread_barrier()
-            kv = kv_smem.index(it % 2)
-            s_tok = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc, s = warpgroup_mma_wait(0, deps=[acc, s_tok])
-            gl.thread_barrier()              # both warpgroups are done with the buffer the next gather fills
-            if it + 1 < steps:
-                _gather(kv_ptr, slot_g, ok_g, kv_s0, kv_smem.index((it + 1) % 2), dims_g)
-            m_i, l_i, acc = _online_step(s, ok_s, scale, m_i, l_i, acc, kv)
-            ok_s = ok_next
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        async_copy.wait_group(0)                 # no copy outlives the program (a token with nothing selected)
-
-        heads = gl.arange(0, H, layout=gl.SliceLayout(1, _S_MMA))
-        out, lse = _finish(acc, m_i, l_i, _sink_logits(sink_ptr, heads, SINKS), SINKS)
-        gl.store(lse_ptr + t * lse_s0 + heads * lse_s1, lse)
-        gl.store(max_ptr + t * max_s0 + heads * max_s1, m_i * 0.6931471805599453)
         h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
         d_o = gl.arange(0, D, layout=gl.SliceLayout(0, _O_MMA))
-        gl.store(o_ptr + t * o_s0 + (h_o * o_s1)[:, None] + d_o[None, :], out)
+        ia = pid * 0                         # this step's rows
+        ib = ia + 1                          # the next step's
+        iq = ia + 2                          # this step's Q
+        # a step's O product runs under the next step's wait for its rows, and is waited before that step's scores;
+        # then the step after is gathered into the buffer it read, under the scores, softmax and O (a token's last
+        # step: the next token's Q there, its first rows into the old Q's buffer once the scores are done)
+        acc = warpgroup_mma_init(acc)
+        for g in range(0, total):
+            slot_g, ok_g = _slots(r1, i_s2, it1, n1, num_rows, rows_g)
+            sl_n, ok_next = _slots(r1, i_s2, it1, n1, num_rows, keys)
+            last0 = it1 == 0                 # this step is its token's last
+            async_copy.wait_group(0)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            fence_async_shared()
+            gl.thread_barrier()              # this step's rows landed; the previous O product done with buffer ib
+            kv = bufs.index(ia)
+            i_n = ib
+            if last0:                        # the next token's Q into ib, its rows into the old Q's buffer
+                i_n = iq
+                if t1 < n_tok:
+                    _copy_q(q_ptr, t1, q_s0, q_s1, bufs.index(ib), rows_g, dims_g)
+            else:
+                _gather(kv_ptr, slot_g, ok_g, kv_s0, bufs.index(ib), dims_g)
+            s_tok = warpgroup_mma(bufs.index(iq), kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            if last0:
+                gl.thread_barrier()          # both warpgroups done with Q: its buffer takes the next rows
+                _gather(kv_ptr, slot_g, ok_g, kv_s0, bufs.index(i_n), dims_g)
+            m_i, l_i, acc = _online_step(s, ok_s, scale, m_i, l_i, acc, kv)
+            if last0:
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                out, lse = _finish(acc, m_i, l_i, z, SINKS)
+                gl.store(lse_ptr + t0 * lse_s0 + heads * lse_s1, lse)
+                gl.store(max_ptr + t0 * max_s0 + heads * max_s1, m_i * 0.6931471805599453)
+                gl.store(o_ptr + t0 * o_s0 + (h_o * o_s1)[:, None] + d_o[None, :], out)
+                m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
+                l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
+                acc = warpgroup_mma_init(gl.zeros([H, D], gl.float32, _O_MMA))
+                iq = ib
+            ib = ia
+            ia = i_n
+            ok_s = ok_next
+            t0 = t1
+            it1 += 1
+            if it1 >= e1:
+                t1 = t1 + P
+                it1 = 0
+                n1, e1, r1 = _token(t1, *tok_args)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        async_copy.wait_group(0)             # no copy outlives the program
 
 
     @gluon.jit
@@ -558,19 +615,26 @@ def _dtype(t, absent: torch.dtype) -> torch.dtype:
     return t.dtype if t is not None else absent
 
 
-def bind_prefill(q, kv, indices, sm_scale: float, topk_length, attn_sink, out, max_logits, lse):
-    """The launch of a prefill call `prefill_planned` accepted, worked out once: a callable of the Triton kernel's
-    twelve tensors (q, kv, indices, lengths, kv, indices, lengths, sink, out, lse, max_logits, lse), for q and kv at
-    16-byte aligned addresses (a `FastLauncher` launch: Triton's JIT only on the first call)."""
+def prefill_programs(tokens: int, hq: int, multiprocessor_count: int) -> int:
+    """Programs a head block of a prefill call runs (the grid's axis 0): one per token up to one per SM across the
+    head blocks; past that, each loops over several tokens."""
+    return max(1, min(tokens, multiprocessor_count // (hq // HEADS)))
+
+
+def bind_prefill(q, kv, indices, sm_scale: float, topk_length, attn_sink, out, max_logits, lse, programs: int):
+    """The launch of a prefill call `prefill_planned` accepted, worked out once (grid `programs` x head blocks,
+    `prefill_programs`): a callable of the Triton kernel's twelve tensors (q, kv, indices, lengths, kv, indices,
+    lengths, sink, out, lse, max_logits, lse), for q and kv at 16-byte aligned addresses (a `FastLauncher` launch:
+    Triton's JIT only on the first call)."""
     tokens = q.shape[0]
-    ints = (float(sm_scale), indices.shape[2], kv.shape[0], kv.stride(0) // 8, q.stride(0) // 8,
+    ints = (float(sm_scale), indices.shape[2], kv.shape[0], tokens, kv.stride(0) // 8, q.stride(0) // 8,
             q.stride(1) // 8, indices.stride(0), indices.stride(2),
             topk_length.stride(0) if topk_length is not None else 0, out.stride(0), out.stride(1), lse.stride(0),
             lse.stride(1), max_logits.stride(0), max_logits.stride(1))
     meta = dict(HAS_LEN=topk_length is not None, SINKS=attn_sink is not None, num_warps=WARPS)
     dtypes = (q.dtype, kv.dtype, indices.dtype, _dtype(topk_length, indices.dtype), _dtype(attn_sink, lse.dtype),
               out.dtype, lse.dtype, max_logits.dtype)
-    fast = PREFILL_LAUNCHER.bind((tokens, q.shape[1] // HEADS), dtypes, ints, meta, q.device)
+    fast = PREFILL_LAUNCHER.bind((programs, q.shape[1] // HEADS), dtypes, ints, meta, q.device)
 
     def launch(q, kv, indices, lens, _kv, _indices, _lens, sink, out, lse, max_logits, _lse):
         fast(q, kv, indices, lens, sink, out, lse, max_logits)

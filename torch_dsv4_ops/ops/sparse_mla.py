@@ -230,8 +230,9 @@ def forced_splits(splits: int):
 
 
 def forced_programs(programs: int):
-    """Inside, the sm_90 Gluon decode runs at most `programs` persistent programs a head block, each looping over
-    several work items (a test hook: on the test sizes every program would otherwise take one item)."""
+    """Inside, the sm_90 Gluon decode and prefill run at most `programs` persistent programs a head block, each
+    looping over several work items or tokens (a test hook: on the test sizes every program would otherwise take
+    one)."""
     if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
         raise ValueError(f"programs must be an int >= 1, got {programs!r}")
     return _overridden("programs", programs)
@@ -440,15 +441,19 @@ def _prefill_plan(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_log
     grid = (checked.tokens, kernels.head_blocks(checked.hq, target), 1)
     launch = kernels.SPARSE_LAUNCHER.bind(grid, dtypes, ints, meta, q.device)
     if sparse_mla_gluon.prefill_planned(target, checked.hq, q.stride(), kv.stride(0)):
+        programs = sparse_mla_gluon.prefill_programs(checked.tokens, checked.hq,
+                                                     kernels.device_multiprocessors(q.device))
+        if SPLITS.programs is not None:
+            programs = min(programs, SPLITS.programs)
         gluon_launch = sparse_mla_gluon.bind_prefill(q, kv, indices, sm_scale, topk_length, attn_sink, out,
-                                                     max_logits, lse)
+                                                     max_logits, lse, programs)
         return ByAlignment(gluon_launch, launch, (0, 1), 16)
     return launch
 
 
 def _prefill_run(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse) -> None:
     args = (q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse)
-    sig = signature("prefill", args)
+    sig = signature("prefill", args) + (SPLITS.programs,)
     launch = _PREFILL_PLANS.get(sig, MISSING)
     if launch is MISSING:
         launch = _PREFILL_PLANS.remember(sig, _prefill_plan(*args))
