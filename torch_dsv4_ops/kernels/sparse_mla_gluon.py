@@ -14,8 +14,8 @@ Online softmax in base 2 as the Triton kernel's; the sink enters the denominator
   (below). Step t's O product runs under step t + 1's wait for its rows and is waited before step t + 1's scores;
   the copy of step t + 2 then goes into the buffer it read, under step t + 1's scores, softmax and O. H100:
   1094-1103 us on the benchmark's case against 1117-1120 for a program a token with the copy issued after the scores
-  (NOTES.md "The next item's Q a step earlier"; 39-46 % of the bf16 matmul rate by machine, the Triton kernel
-  31-33 %).
+  (NOTES.md "The next item's Q a step earlier"; 1084.5 us in the benchmark's run, 40-46 % of the bf16 matmul
+  rates measured on H100s, the Triton kernel 31-33 %).
 * Decode (`sparse_mla_decode_gluon_kernel`): two row buffers. While step i's O product runs on one, step i + 1's codes,
   copied a step earlier (`cp.async`) into a staging buffer, are dequantised exactly (codes x 2^(byte - 127), the scale
   bytes loaded as one 8-byte word a row) into the other, whose RoPE columns are copied straight from the cache (under
