@@ -338,7 +338,8 @@ class DecodeCase:
 
 
 def plan_hooks(splits: int | None = None, programs: int | None = None) -> contextlib.ExitStack:
-    """The decode's test hooks: `splits` forced, the Gluon decode's persistent programs capped at `programs`."""
+    """The plans' test hooks: the decode's `splits` forced, the Gluon kernels' persistent programs capped at
+    `programs`."""
     stack = contextlib.ExitStack()
     if splits:
         stack.enter_context(forced_splits(splits))
@@ -516,7 +517,7 @@ def test_gluon_decode_rule():
                    dict(q_strides=(64 * 516, 64 * 516, 516, 1))):
         assert not gk.decode_planned(**{**ok, **change}), change
     calls = ((5, 64, 10), (132, 64, 1), (256, 64, 1), (40, 128, 1), (300, 128, 1), (1, 256, 1))   # rows, hq, splits
-    assert [gk.decode_programs(*call, 132) for call in calls] == [50, 132, 132, 40, 66, 1]
+    assert [gk.persistent_programs(rows * splits, hq, 132) for rows, hq, splits in calls] == [50, 132, 132, 40, 66, 1]
 
 
 # The plans of GPUs with less shared memory (sm_80: 163 KB; sm_86/89/120: 99 KB), run on this GPU: their tiles
@@ -973,7 +974,7 @@ def test_gluon_prefill_rule():
                    dict(q_strides=(64 * 516, 516, 1)), dict(q_strides=(64 * 512 + 4, 512, 1))):
         assert not gk.prefill_planned(**{**ok, **change}), change
     calls = ((4096, 64), (100, 64), (4096, 128), (1, 256))     # tokens, hq
-    assert [gk.prefill_programs(*call, 132) for call in calls] == [132, 100, 66, 1]
+    assert [gk.persistent_programs(*call, 132) for call in calls] == [132, 100, 66, 1]
 
 
 # --- the prefill chain: quantize_and_insert -> dequantize_and_gather -> combine_topk_swa_indices -> prefill ---

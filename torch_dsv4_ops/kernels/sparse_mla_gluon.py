@@ -615,15 +615,15 @@ def _dtype(t, absent: torch.dtype) -> torch.dtype:
     return t.dtype if t is not None else absent
 
 
-def prefill_programs(tokens: int, hq: int, multiprocessor_count: int) -> int:
-    """Programs a head block of a prefill call runs (the grid's axis 0): one per token up to one per SM across the
-    head blocks; past that, each loops over several tokens."""
-    return max(1, min(tokens, multiprocessor_count // (hq // HEADS)))
+def persistent_programs(items: int, hq: int, multiprocessor_count: int) -> int:
+    """Programs a head block of a call runs (the grid's axis 0) over its `items` work items (decode: rows x splits;
+    prefill: tokens): one per item up to one per SM across the head blocks; past that, each loops over several."""
+    return max(1, min(items, multiprocessor_count // (hq // HEADS)))
 
 
 def bind_prefill(q, kv, indices, sm_scale: float, topk_length, attn_sink, out, max_logits, lse, programs: int):
     """The launch of a prefill call `prefill_planned` accepted, worked out once (grid `programs` x head blocks,
-    `prefill_programs`): a callable of the Triton kernel's twelve tensors (q, kv, indices, lengths, kv, indices,
+    `persistent_programs`): a callable of the Triton kernel's twelve tensors (q, kv, indices, lengths, kv, indices,
     lengths, sink, out, lse, max_logits, lse), for q and kv at 16-byte aligned addresses (a `FastLauncher` launch:
     Triton's JIT only on the first call)."""
     tokens = q.shape[0]
@@ -663,15 +663,9 @@ def decode_planned(target: platform.Target, hq: int, q_strides: tuple, fnuz: tup
             and platform.shared_memory_limit(target) >= DECODE_SHARED_MEMORY)
 
 
-def decode_programs(rows: int, hq: int, splits: int, multiprocessor_count: int) -> int:
-    """Programs a head block of a decode call runs (the grid's axis 0): one per work item (row, split) up to one
-    per SM across the head blocks; past that, each loops over several items."""
-    return max(1, min(rows * splits, multiprocessor_count // (hq // HEADS)))
-
-
 def bind_decode(q, indices, extra_indices, topk_length, extra_topk_length, attn_sink, out, lse, softmax_scale,
                 main, extra, splits: int, ml_base: int, programs: int):
-    """The launch of a decode call `decode_planned` accepted (grid `programs` x head blocks, `decode_programs`):
+    """The launch of a decode call `decode_planned` accepted (grid `programs` x head blocks, `persistent_programs`):
     a callable of the Triton kernel's twelve tensors (q, cache, indices, lengths, extra cache, extra indices,
     extra lengths, sink, out, lse, lse, partials), for q at a 16-byte aligned address (a `FastLauncher` launch).
     main / extra: the caches' (num_blocks, bs, page stride) (`ops.sparse_mla.CacheInfo`). splits > 1: the

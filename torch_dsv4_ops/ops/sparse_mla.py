@@ -204,7 +204,7 @@ def check_prefill_out(checked: Prefill, q, out, max_logits, lse) -> None:
 # --- plans ---------------------------------------------------------------------------------------------------
 class _Splits:
     forced: int | None = None
-    programs: int | None = None      # the Gluon decode's programs a head block (forced_programs)
+    programs: int | None = None      # the Gluon kernels' programs a head block (forced_programs)
 
 
 SPLITS = _Splits()
@@ -236,6 +236,12 @@ def forced_programs(programs: int):
     if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
         raise ValueError(f"programs must be an int >= 1, got {programs!r}")
     return _overridden("programs", programs)
+
+
+def _gluon_programs(items: int, hq: int, device) -> int:
+    """The persistent programs a head block of a Gluon decode or prefill call runs (`forced_programs` caps them)."""
+    programs = sparse_mla_gluon.persistent_programs(items, hq, kernels.device_multiprocessors(device))
+    return programs if SPLITS.programs is None else min(programs, SPLITS.programs)
 
 
 def sparse_mla_workspace_size(B: int, s_q: int, Hq: int, device) -> int:
@@ -310,9 +316,7 @@ def _decode_plan(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ext
     grid = (checked.rows, kernels.head_blocks(checked.hq, target, small), splits)
     launch = kernels.SPARSE_LAUNCHER.bind(grid, dtypes, ints, meta, device)
     if gluon:
-        programs = sparse_mla_gluon.decode_programs(checked.rows, checked.hq, splits, sms)
-        if SPLITS.programs is not None:
-            programs = min(programs, SPLITS.programs)
+        programs = _gluon_programs(checked.rows * splits, checked.hq, device)
         gluon_launch = sparse_mla_gluon.bind_decode(q, indices, extra_indices, topk_length, extra_topk_length,
                                                     attn_sink, out, lse, softmax_scale, main, extra, splits, ml_base,
                                                     programs)
@@ -441,10 +445,7 @@ def _prefill_plan(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_log
     grid = (checked.tokens, kernels.head_blocks(checked.hq, target), 1)
     launch = kernels.SPARSE_LAUNCHER.bind(grid, dtypes, ints, meta, q.device)
     if sparse_mla_gluon.prefill_planned(target, checked.hq, q.stride(), kv.stride(0)):
-        programs = sparse_mla_gluon.prefill_programs(checked.tokens, checked.hq,
-                                                     kernels.device_multiprocessors(q.device))
-        if SPLITS.programs is not None:
-            programs = min(programs, SPLITS.programs)
+        programs = _gluon_programs(checked.tokens, checked.hq, q.device)
         gluon_launch = sparse_mla_gluon.bind_prefill(q, kv, indices, sm_scale, topk_length, attn_sink, out,
                                                      max_logits, lse, programs)
         return ByAlignment(gluon_launch, launch, (0, 1), 16)
