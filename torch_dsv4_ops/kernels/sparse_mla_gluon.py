@@ -5,17 +5,20 @@ The Triton kernel (`sparse_mla.sparse_mla_kernel`) keeps an acc tile [64 heads, 
 spills: 31 % of the bf16 matmul rate on an H100 (benchmarks/NOTES.md, "Sparse MLA"). Here the layouts are explicit.
 A program (one query row, 64 heads = the M of both products) holds Q [64, 512] in shared memory; its two
 warpgroups split the N of both products: scores S = Q K^T [64, 64] (32 keys each), then O += P V [64, 512] (256
-output columns each: 128 accumulator registers a thread), P moving through shared memory to the A-operand layout.
-Online softmax in base 2 as the Triton kernel's; the sink enters the denominator at the end only.
+output columns each: 128 accumulator registers a thread), P moving through shared memory to the A operand.
+Online softmax in base 2 as the Triton kernel's; the sink enters the denominator at the end only. A row's max
+crosses the warpgroups through a 512-byte buffer (one barrier; Triton's cross-warp reduction takes three) and its
+sum stays as each warpgroup's part until the end (NOTES.md "Barriers nothing asks for": C4A B = 256 -4 %, the
+prefill -3 %).
 
 * Prefill (`sparse_mla_prefill_gluon_kernel`): each step's 64 selected rows are copied with `cp.async` straight
   into one of two row buffers (zero-filled where a position is not selected). Persistent: at most one program an
   SM, each over the tokens p, p + P, ... as one stream of steps, Q and the row buffers rotating as the decode's
   (below). Step t's O product runs under step t + 1's wait for its rows and is waited before step t + 1's scores;
-  the copy of step t + 2 then goes into the buffer it read, under step t + 1's scores, softmax and O. H100:
-  1094-1103 us on the benchmark's case against 1117-1120 for a program a token with the copy issued after the scores
-  (NOTES.md "The next item's Q a step earlier"; 1084.5 us in the benchmark's run, 40-46 % of the bf16 matmul
-  rates measured on H100s, the Triton kernel 31-33 %).
+  the copy of step t + 2 then goes into the buffer it read, under step t + 1's scores, softmax and O. P is the
+  O product's A operand from an 8 KB shared buffer (one barrier; the conversion to a register operand takes four).
+  H100: 1041-1047 us on the benchmark's case against 1098-1100 before these two changes (NOTES.md "Barriers nothing
+  asks for"; the Triton kernel 31-33 % of the bf16 matmul rate).
 * Decode (`sparse_mla_decode_gluon_kernel`): two row buffers. While step i's O product runs on one, step i + 1's codes,
   copied a step earlier (`cp.async`) into a staging buffer, are dequantised exactly (codes x 2^(byte - 127), the scale
   bytes loaded as one 8-byte word a row) into the other, whose RoPE columns are copied straight from the cache (under
@@ -27,10 +30,12 @@ Online softmax in base 2 as the Triton kernel's; the sink enters the denominator
   step's rows left free as it starts, and takes the old Q's buffer for the next step's rows once its scores product is
   done (the copy waited a step later before, C4A B = 256 -6 %, SWA-only B = 256 -10 %). An item's output leaves through
   the row buffer the last O product read (16-byte stores, whole lines a warp: the accumulator's own layout stored 8
-  half-sectors an instruction and took 6.6 us of a 2-step item). Planned for calls of more than 4 rows whose lists hold
-  at least 2 steps; up to 4 rows keep the Triton kernel's small-batch plan (NOTES.md "Sparse MLA decode in Gluon",
-  "Gluon launches", "The decode's dequantisation under the scores", "A persistent sparse decode", "The dequantisation
-  under the O product", "The next item's Q a step earlier").
+  half-sectors an instruction and took 6.6 us of a 2-step item). The staged codes are dequantised a staging buffer
+  at a time (three stores: between one-block stores Triton's barrier analysis put six barriers), and the first
+  step's index entries are read beside the lengths. Planned for calls of more than 4 rows whose lists hold at least
+  2 steps; up to 4 rows keep the Triton kernel's small-batch plan (NOTES.md "Sparse MLA decode in Gluon", "Gluon
+  launches", "The decode's dequantisation under the scores", "A persistent sparse decode", "The dequantisation under
+  the O product", "The next item's Q a step earlier", "Barriers nothing asks for").
 
 `prefill_planned` / `decode_planned` say when these paths run: sm_90, Triton 3.6 (Gluon's API moves between
 versions), a multiple of 64 heads (a program takes a block of 64 heads), q strides (and kv's row stride)
@@ -58,8 +63,8 @@ except ImportError:                  # a Triton without Gluon
 VERIFIED_TRITON = ("3.6",)
 HEADS = 64
 WARPS = 8
-PREFILL_SHARED_MEMORY = 200704       # bytes a program takes on sm_90 (Q, two row buffers, layout scratch)
-DECODE_SHARED_MEMORY = 229376        # (Q, two row buffers, the staged codes of a step, layout scratch)
+PREFILL_SHARED_MEMORY = 205824       # bytes a program takes on sm_90 (Q, two row buffers, P, row maxima, scratch)
+DECODE_SHARED_MEMORY = 229888        # (Q, two row buffers, the staged codes of a step, row maxima, scratch)
 
 
 def prefill_planned(target: platform.Target, hq: int, q_strides: tuple, kv_row_stride: int,
@@ -81,6 +86,11 @@ if gluon is not None:
                                                         instr_shape=[16, 256, 16]))
         _P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_MMA.value, k_width=2))
         _SH = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16))
+        # [2, 64]: both warpgroups' values of a head in one thread, the heads spread as SliceLayout(1, _S_MMA)'s
+        _MX_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [0, 8]], lane_bases=[[0, 0], [0, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 16], [0, 32], [0, 0]], block_bases=[], shape=[2, 64]))
+        _MX_SH = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         # the fp8_ds_mla token (layout.py): 7 blocks of 64 fp8 codes, 64 RoPE bf16, then one scale byte a block
         _DATA_BYTES = gl.constexpr(layout.TOKEN_DATA_BYTES)
         _NOPE = gl.constexpr(layout.NOPE_DIM)
@@ -92,18 +102,53 @@ if gluon is not None:
 
 if gluon is not None:
     @gluon.jit
-    def _online_step(s, ok, scale, m_i, l_i, acc, kv):
-        """One step of the online softmax (base 2) on the scores s [64, 64] of the rows in kv (invalid where not
-        ok): the running max and sum, acc rescaled and the step's O product issued asynchronously."""
+    def _warpgroup_parts(x, op: gl.constexpr):
+        """op (gl.max / gl.sum) of x [64, 64] (_S_MMA) over each warpgroup's 32 columns: [64, 2], within warps."""
+        return op(gl.reshape(x, [64, 2, 32]), axis=2)
+
+    @gluon.jit
+    def _row_max(s, mx):
+        """Row max of s [64, 64] (_S_MMA), in SliceLayout(1, _S_MMA): the warpgroups' maxima exchanged through
+        mx [2, 64] fp32 (one barrier; a cross-warp reduction takes three)."""
+        mx.store(gl.permute(_warpgroup_parts(s, gl.max), (1, 0)))
+        return gl.convert_layout(gl.max(mx.load(_MX_LOAD), axis=0), gl.SliceLayout(1, _S_MMA))
+
+    @gluon.jit
+    def _row_total(l_2):
+        """The running sums of the rows (SliceLayout(1, _S_MMA)) out of their warpgroup parts l_2 [64, 2]."""
+        return gl.convert_layout(gl.sum(l_2, axis=1), gl.SliceLayout(1, _S_MMA))
+
+    @gluon.jit
+    def _softmax_step(s, ok, scale, m_i, l_2, acc, mx):
+        """One step of the online softmax (base 2) on the scores s [64, 64] (invalid where not ok): the running max
+        (`_row_max` through mx), the running sums as each warpgroup's part l_2 [64, 2] (summed at the end only),
+        acc rescaled, and P (bf16) for the step's O product."""
         s = gl.where(ok[None, :], s * scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_new = gl.maximum(m_i, _row_max(s, mx))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        parts = _warpgroup_parts(p, gl.sum)
+        l_2 = l_2 * gl.convert_layout(alpha, gl.SliceLayout(1, parts.type.layout))[:, None] + parts
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, _O_MMA))[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), _P_OP), kv, acc, is_async=True)
-        return m_new, l_i, acc
+        return m_new, l_2, acc, p.to(gl.bfloat16)
+
+    @gluon.jit
+    def _online_step(s, ok, scale, m_i, l_2, acc, kv, mx):
+        """`_softmax_step`, then the step's O product over the rows in kv issued asynchronously, P converted to
+        its register A operand (through the layout scratch)."""
+        m_i, l_2, acc, p = _softmax_step(s, ok, scale, m_i, l_2, acc, mx)
+        return m_i, l_2, warpgroup_mma(gl.convert_layout(p, _P_OP), kv, acc, is_async=True)
+
+    @gluon.jit
+    def _online_step_smem(s, ok, scale, m_i, l_2, acc, kv, mx, p_smem):
+        """`_online_step` with P stored to p_smem [64, 64] as the O product's A operand: one barrier where the
+        conversion to the register operand takes four."""
+        m_i, l_2, acc, p = _softmax_step(s, ok, scale, m_i, l_2, acc, mx)
+        p_smem.store(p)
+        fence_async_shared()
+        gl.thread_barrier()
+        return m_i, l_2, warpgroup_mma(p_smem, kv, acc, is_async=True)
 
     @gluon.jit
     def _sink_logits(sink_ptr, heads, SINKS: gl.constexpr):
@@ -161,9 +206,20 @@ if gluon is not None:
         return n_sel, gl.maximum(gl.cdiv(n_sel, 64), 1), idx_ptr + t * i_s0
 
     @gluon.jit
-    def _copy_q(q_ptr, t, q_s0, q_s1, buf, rows_g, dims_g):
-        """cp.async of token t's query rows [64 heads, 512] into buf; one commit group."""
-        async_copy.async_copy_global_to_shared(buf, q_ptr + t * q_s0 + (rows_g * q_s1)[:, None] + dims_g[None, :])
+    def _next_step(t, it, n, e, r, P, tok_args):
+        """The step after step `it` of token t (its `_token` fields n, e, r): the token's next, or the first of
+        token t + P."""
+        it += 1
+        if it >= e:
+            t = t + P
+            it = 0
+            n, e, r = _token(t, *tok_args)
+        return t, it, n, e, r
+
+    @gluon.jit
+    def _copy_q(q_row, head_stride, buf, heads_g, dims_g):
+        """cp.async of one token's query [64 heads, 512] (q_row: its first head) into buf; one commit group."""
+        async_copy.async_copy_global_to_shared(buf, q_row + (heads_g * head_stride)[:, None] + dims_g[None, :])
         async_copy.commit_group()
 
     @gluon.jit(do_not_specialize=("width", "num_rows", "n_tok"))
@@ -199,30 +255,24 @@ if gluon is not None:
 
         # Q and two row buffers, their roles rotating at a token's last step (as the decode's)
         bufs = gl.allocate_shared_memory(gl.bfloat16, [3, BN, D], _SH)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BN], gl.NVMMASharedLayout.get_default_for([H, BN],
+                                                                                                    gl.bfloat16))
+        mx = gl.allocate_shared_memory(gl.float32, [2, H], _MX_SH)
         t0 = pid.to(gl.int64)
-        _copy_q(q_ptr, t0, q_s0, q_s1, bufs.index(2), rows_g, dims_g)
+        _copy_q(q_ptr + t0 * q_s0, q_s1, bufs.index(2), rows_g, dims_g)
         n0, e0, r0 = _token(t0, *tok_args)
         slot_g, ok_g = _slots(r0, i_s2, 0, n0, num_rows, rows_g)
         _gather(kv_ptr, slot_g, ok_g, kv_s0, bufs.index(0), dims_g)
-        sl_s, ok_s = _slots(r0, i_s2, 0, n0, num_rows, keys)
+        ok_s = _slots(r0, i_s2, 0, n0, num_rows, keys)[1]
         total = pid * 0                      # the program's steps
         for tt in range(pid, n_tok, P):
-            n_t, e_t, r_t = _token(tt.to(gl.int64), *tok_args)    # (names: `_` would change type)
-            total += e_t
+            total += _token(tt.to(gl.int64), *tok_args)[1]
         # the next step's cursor (token t1, step it1)
-        t1 = t0
-        it1 = 1
-        n1 = n0
-        e1 = e0
-        r1 = r0
-        if it1 >= e1:
-            t1 = t0 + P
-            it1 = 0
-            n1, e1, r1 = _token(t1, *tok_args)
+        t1, it1, n1, e1, r1 = _next_step(t0, 0, n0, e0, r0, P, tok_args)
 
         scale = sm_scale * 1.4426950408889634
         m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
-        l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
+        l_2 = _warpgroup_parts(gl.zeros([H, BN], gl.float32, _S_MMA), gl.sum)
         acc = gl.zeros([H, D], gl.float32, _O_MMA)
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
         h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
@@ -236,7 +286,7 @@ if gluon is not None:
         acc = warpgroup_mma_init(acc)
         for g in range(0, total):
             slot_g, ok_g = _slots(r1, i_s2, it1, n1, num_rows, rows_g)
-            sl_n, ok_next = _slots(r1, i_s2, it1, n1, num_rows, keys)
+            ok_next = _slots(r1, i_s2, it1, n1, num_rows, keys)[1]
             last0 = it1 == 0                 # this step is its token's last
             async_copy.wait_group(0)
             acc = warpgroup_mma_wait(0, deps=[acc])
@@ -247,7 +297,7 @@ if gluon is not None:
             if last0:                        # the next token's Q into ib, its rows into the old Q's buffer
                 i_n = iq
                 if t1 < n_tok:
-                    _copy_q(q_ptr, t1, q_s0, q_s1, bufs.index(ib), rows_g, dims_g)
+                    _copy_q(q_ptr + t1 * q_s0, q_s1, bufs.index(ib), rows_g, dims_g)
             else:
                 _gather(kv_ptr, slot_g, ok_g, kv_s0, bufs.index(ib), dims_g)
             s_tok = warpgroup_mma(bufs.index(iq), kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -255,26 +305,22 @@ if gluon is not None:
             if last0:
                 gl.thread_barrier()          # both warpgroups done with Q: its buffer takes the next rows
                 _gather(kv_ptr, slot_g, ok_g, kv_s0, bufs.index(i_n), dims_g)
-            m_i, l_i, acc = _online_step(s, ok_s, scale, m_i, l_i, acc, kv)
+            m_i, l_2, acc = _online_step_smem(s, ok_s, scale, m_i, l_2, acc, kv, mx, p_smem)
             if last0:
                 acc = warpgroup_mma_wait(0, deps=[acc])
-                out, lse = _finish(acc, m_i, l_i, z, SINKS)
+                out, lse = _finish(acc, m_i, _row_total(l_2), z, SINKS)
                 gl.store(lse_ptr + t0 * lse_s0 + heads * lse_s1, lse)
                 gl.store(max_ptr + t0 * max_s0 + heads * max_s1, m_i * 0.6931471805599453)
                 gl.store(o_ptr + t0 * o_s0 + (h_o * o_s1)[:, None] + d_o[None, :], out)
                 m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
-                l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
+                l_2 = _warpgroup_parts(gl.zeros([H, BN], gl.float32, _S_MMA), gl.sum)
                 acc = warpgroup_mma_init(gl.zeros([H, D], gl.float32, _O_MMA))
                 iq = ib
             ib = ia
             ia = i_n
             ok_s = ok_next
             t0 = t1
-            it1 += 1
-            if it1 >= e1:
-                t1 = t1 + P
-                it1 = 0
-                n1, e1, r1 = _token(t1, *tok_args)
+            t1, it1, n1, e1, r1 = _next_step(t1, it1, n1, e1, r1, P, tok_args)
         acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)             # no copy outlives the program
 
@@ -371,16 +417,13 @@ if gluon is not None:
 
     @gluon.jit
     def _dequant_staged(st4, st2, st1, words, buf, P1: gl.constexpr):
-        """The staged codes of 64 rows dequantised with their scale words into buf[:, 0:448], a block at a time in
-        P1 (loads and bf16 stores free of bank conflicts; two-block pieces stored in two wavefronts each)."""
-        for b in gl.static_range(7):
-            if b < 4:
-                c = st4.slice(b, 1, dim=1).load(P1)
-            elif b < 6:
-                c = st2.slice(b - 4, 1, dim=1).load(P1)
-            else:
-                c = st1.load(P1)
-            _store_nope(c, _block_scales(words, b, 1, P1), buf, b, 1)
+        """The staged codes of 64 rows dequantised with their scale words into buf[:, 0:448]: each staging buffer
+        in one load and one store (a layout of 8 codes a thread in each block, free of bank conflicts)."""
+        L4: gl.constexpr = gl.BlockedLayout([1, 4, 8], [4, 1, 8], [8, 1, 1], [2, 1, 0])
+        L2: gl.constexpr = gl.BlockedLayout([1, 2, 8], [4, 1, 8], [8, 1, 1], [2, 1, 0])
+        _store_nope(st4.load(L4), _block_scales(words, 0, 4, L4), buf, 0, 4)
+        _store_nope(st2.load(L2), _block_scales(words, 4, 2, L2), buf, 4, 2)
+        _store_nope(st1.load(P1), _block_scales(words, 6, 1, P1), buf, 6, 1)
 
     @gluon.jit
     def _item(k, n_items, splits, s_q, width, x_width, len_ptr, x_len_ptr, len_s, x_len_s, idx_ptr, x_idx_ptr,
@@ -390,10 +433,8 @@ if gluon is not None:
         one masked step, so that its outputs are written), the main list's steps and both lengths, and the row's
         index rows. Past n_items: an empty item, nothing loaded."""
         live = k < n_items
-        t = k // splits
-        split = k - t * splits
-        b = (t // s_q).to(gl.int64)
-        j = (t % s_q).to(gl.int64)
+        split = k - (k // splits) * splits
+        b, j = _query_row(k, splits, s_q)
         n_main = width * live.to(gl.int32)
         if HAS_LEN:
             n_main = gl.minimum(gl.maximum(gl.load(len_ptr + b * len_s, mask=live, other=0), 0), width)
@@ -438,14 +479,16 @@ if gluon is not None:
         return src, row, ok, words, cur, _raw_slots(ir, xr, i_s2, x_s2, tile, tm, nm, nx, rows, EXTRA)
 
     @gluon.jit
+    def _query_row(k, splits, s_q):
+        """(b, j) (int64) of work item k's query row t = k // splits of B x s_q."""
+        t = k // splits
+        return (t // s_q).to(gl.int64), (t % s_q).to(gl.int64)
+
+    @gluon.jit
     def _load_q(q_ptr, q_smem, k, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g):
         """cp.async of item k's query row [64 heads, 512] into q_smem; one commit group."""
-        t = k // splits
-        b = (t // s_q).to(gl.int64)
-        j = (t % s_q).to(gl.int64)
-        async_copy.async_copy_global_to_shared(
-            q_smem, q_ptr + b * (q_s08 * 8) + j * (q_s18 * 8) + (heads_g * (q_s28 * 8))[:, None] + dims_g[None, :])
-        async_copy.commit_group()
+        b, j = _query_row(k, splits, s_q)
+        _copy_q(q_ptr + b * (q_s08 * 8) + j * (q_s18 * 8), q_s28 * 8, q_smem, heads_g, dims_g)
 
     @gluon.jit(do_not_specialize=("s_q", "width", "x_width", "num_rows", "x_num_rows", "ml_base", "n_items",
                                   "splits"))
@@ -491,17 +534,33 @@ if gluon is not None:
         st4 = gl.allocate_shared_memory(gl.uint8, [BN, 4, 64], PLAIN)
         st2 = gl.allocate_shared_memory(gl.uint8, [BN, 2, 64], PLAIN)
         st1 = gl.allocate_shared_memory(gl.uint8, [BN, 1, 64], PLAIN)
+        mx = gl.allocate_shared_memory(gl.float32, [2, H], _MX_SH)
         k0 = pid
         _load_q(q_ptr, bufs.index(2), k0, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g)
+        rows = gl.arange(0, BN, layout=RL)
+        # the lists' first entries read beside the lengths (not after them: one latency less before the first
+        # codes), cut by the lengths once they land
+        b0, j0 = _query_row(k0, splits, s_q)
+        live0 = k0 < n_items
+        head_m = gl.load(idx_ptr + b0 * i_s0 + j0 * i_s1 + rows * i_s2, mask=(rows < width) & live0, other=-1)
+        head_x = head_m
+        if EXTRA:
+            head_x = gl.load(x_idx_ptr + b0 * x_s0 + j0 * x_s1 + rows * x_s2, mask=(rows < x_width) & live0,
+                             other=-1)
         total = pid * 0                      # the program's steps
         for kk in range(pid, n_items, P):
             lo, _, end, _, _, _, _, _ = _item(kk, *item_args)
             total += end - lo
 
-        rows = gl.arange(0, BN, layout=RL)
         # three cursors (item, step): c0 computed, c1 staged, c2 its index entries loaded
         lo, hi, end, tm, nm, nx, ir, xr = _item(k0, *item_args)
-        raw = _raw_slots(ir, xr, i_s2, x_s2, lo, tm, nm, nx, rows, EXTRA)
+        if lo == 0:                          # step 0 of the list: its main part's, or the extra's where that is empty
+            raw = gl.where(rows < nm, head_m, -1)
+            if EXTRA:
+                if tm == 0:
+                    raw = gl.where(rows < nx, head_x, -1)
+        else:
+            raw = _raw_slots(ir, xr, i_s2, x_s2, lo, tm, nm, nx, rows, EXTRA)
         src, row, sc, ok_a = _addresses(raw, lo, hi, tm, num_rows, x_num_rows, page_stride, x_page_stride,
                                         cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
         _stage_codes(src, row, ok_a, st4, st2, st1, P2, P1)
@@ -525,7 +584,7 @@ if gluon is not None:
 
         scale = sm_scale * 1.4426950408889634
         m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
-        l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
+        l_2 = _warpgroup_parts(gl.zeros([H, BN], gl.float32, _S_MMA), gl.sum)
         acc = gl.zeros([H, D], gl.float32, _O_MMA)
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
         h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
@@ -553,8 +612,8 @@ if gluon is not None:
                 gl.thread_barrier()          # both warpgroups' scores done: the old Q's buffer takes c1's rows
                 _stage_rope(src_b, row_b, ok_b, bufs.index(i_n), RP)
             nxt = bufs.index(i_n)
-            m_i, l_i, acc = _online_step(sc_t, gl.convert_layout(ok_a, gl.SliceLayout(0, _S_MMA)), scale, m_i,
-                                         l_i, acc, kv)
+            m_i, l_2, acc = _online_step(sc_t, gl.convert_layout(ok_a, gl.SliceLayout(0, _S_MMA)), scale, m_i,
+                                         l_2, acc, kv, mx)
             gl.thread_barrier()              # c1's codes, copied by every thread, visible to all
             _dequant_staged(st4, st2, st1, words, nxt, P1)
             gl.thread_barrier()              # the staging buffers read
@@ -571,11 +630,11 @@ if gluon is not None:
                     gl.store(part_ptr + (prow * D)[:, None] + d_o[None, :], acc)
                     prow = (t * hq + h0 + heads) * splits + split
                     gl.store(part_ptr + ml_base + 2 * prow, m_i)
-                    gl.store(part_ptr + ml_base + 2 * prow + 1, l_i)
+                    gl.store(part_ptr + ml_base + 2 * prow + 1, _row_total(l_2))
                 else:
                     b = t // s_q
                     j = t % s_q
-                    out, lse = _finish(acc, m_i, l_i, z, SINKS)
+                    out, lse = _finish(acc, m_i, _row_total(l_2), z, SINKS)
                     gl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + j * lse_s2, lse)
                     # through the row buffer the O product just read: 16-byte stores, whole lines a warp
                     gl.thread_barrier()
@@ -583,7 +642,7 @@ if gluon is not None:
                     gl.thread_barrier()
                     gl.store(o_ptr + b * o_s0 + j * o_s1 + (heads_g * o_s2)[:, None] + dims_g[None, :], kv.load(G_L))
                 m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
-                l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, _S_MMA))
+                l_2 = _warpgroup_parts(gl.zeros([H, BN], gl.float32, _S_MMA), gl.sum)
                 acc = gl.zeros([H, D], gl.float32, _O_MMA)
             async_copy.wait_group(1)         # c1's RoPE and the next Q (c2's codes may fly)
             fence_async_shared()
