@@ -498,6 +498,28 @@ def test_gluon_decode_launches_directly(monkeypatch):
     check_decode(case, out, lse, "Gluon decode, direct launch")
 
 
+@pytest.mark.gpu
+def test_gluon_shared_memory_counted():
+    """The shared memory the Gluon plans count on (`DECODE_SHARED_MEMORY`, `PREFILL_SHARED_MEMORY`, checked against
+    the target's limit) covers what every compiled decode and prefill kernel takes: a kernel change that grows it
+    must raise the constant, or a smaller GPU would be planned a kernel it cannot launch."""
+    from torch_dsv4_ops.kernels import sparse_mla_gluon as gk
+
+    if not gluon_runs_direct(gk):
+        pytest.skip("the Gluon kernels run on sm_90 with a verified Triton only")
+    dev = torch.device("cuda")
+    for name in ("h64-c4a-sq2", "h64-swa-float8-sinks"):
+        for splits in (1, None):                            # unsplit, and split as the op plans on an H100
+            run_decode(DecodeCase(GLUON_HEADS[name], dev), "kernel", splits)
+    case = PrefillCase(PrefillSpec(hq=64, tokens=4, skv=100, width=70, seed=59), dev)
+    with implementation("kernel", dev):
+        d.flash_mla_sparse_fwd(case.q, case.kv, case.idx, case.spec.scale, attn_sink=case.sink, topk_length=case.lens)
+    for launcher, counted in ((gk.DECODE_LAUNCHER, gk.DECODE_SHARED_MEMORY),
+                              (gk.PREFILL_LAUNCHER, gk.PREFILL_SHARED_MEMORY)):
+        taken = [k.metadata.shared for k in launcher._compiled.values()]
+        assert taken and max(taken) <= counted, (launcher.fn.__name__, taken, counted)
+
+
 def test_gluon_decode_rule():
     """The decode's Gluon kernel is planned on sm_90 with Triton 3.6 only, for multiples of 64 heads, OCP caches, q
     strides that are multiples of 8 elements, more than SMALL_DECODE_ROWS query rows (or one forced split), lists of
