@@ -31,11 +31,12 @@ prefill -3 %).
   done (the copy waited a step later before, C4A B = 256 -6 %, SWA-only B = 256 -10 %). An item's output leaves through
   the row buffer the last O product read (16-byte stores, whole lines a warp: the accumulator's own layout stored 8
   half-sectors an instruction and took 6.6 us of a 2-step item). The staged codes are dequantised a staging buffer
-  at a time (three stores: between one-block stores Triton's barrier analysis put six barriers), and the first
-  step's index entries are read beside the lengths. Planned for calls of more than 4 rows whose lists hold at least
-  2 steps; up to 4 rows keep the Triton kernel's small-batch plan (NOTES.md "Sparse MLA decode in Gluon", "Gluon
-  launches", "The decode's dequantisation under the scores", "A persistent sparse decode", "The dequantisation under
-  the O product", "The next item's Q a step earlier", "Barriers nothing asks for").
+  at a time (three stores: between one-block stores Triton's barrier analysis put six barriers), the first step's
+  index entries are read beside the lengths, and the first Q arrives in two halves. Planned for calls of more than 4
+  rows whose lists hold at least 2 steps; up to 4 rows keep the Triton kernel's small-batch plan (NOTES.md "Sparse
+  MLA decode in Gluon", "Gluon launches", "The decode's dequantisation under the scores", "A persistent sparse
+  decode", "The dequantisation under the O product", "The next item's Q a step earlier", "Barriers nothing asks
+  for").
 
 `prefill_planned` / `decode_planned` say when these paths run: sm_90, Triton 3.6 (Gluon's API moves between
 versions), a multiple of 64 heads (a program takes a block of 64 heads), q strides (and kv's row stride)
@@ -536,11 +537,16 @@ if gluon is not None:
         st1 = gl.allocate_shared_memory(gl.uint8, [BN, 1, 64], PLAIN)
         mx = gl.allocate_shared_memory(gl.float32, [2, H], _MX_SH)
         k0 = pid
-        _load_q(q_ptr, bufs.index(2), k0, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g)
+        b0, j0 = _query_row(k0, splits, s_q)
+        q_row0 = q_ptr + b0 * (q_s08 * 8) + j0 * (q_s18 * 8)
+        # the first item's Q in two halves of heads: the second is copied after the first rows and lands under their
+        # dequantisation (SWA-only B = 256 -2 %, C4A B = 64 -1 %: NOTES.md "Barriers nothing asks for")
+        HALF: gl.constexpr = H // 2
+        heads_h = gl.arange(0, HALF, layout=gl.SliceLayout(1, G_L))
+        _copy_q(q_row0, q_s28 * 8, bufs.index(2).slice(0, HALF, dim=0), heads_h, dims_g)
         rows = gl.arange(0, BN, layout=RL)
         # the lists' first entries read beside the lengths (not after them: one latency less before the first
         # codes), cut by the lengths once they land
-        b0, j0 = _query_row(k0, splits, s_q)
         live0 = k0 < n_items
         head_m = gl.load(idx_ptr + b0 * i_s0 + j0 * i_s1 + rows * i_s2, mask=(rows < width) & live0, other=-1)
         head_x = head_m
@@ -565,11 +571,12 @@ if gluon is not None:
                                         cache_ptr, x_cache_ptr, BS, X_BS, EXTRA)
         _stage_codes(src, row, ok_a, st4, st2, st1, P2, P1)
         _stage_rope(src, row, ok_a, bufs.index(0), RP)
+        _copy_q(q_row0 + HALF * (q_s28 * 8), q_s28 * 8, bufs.index(2).slice(HALF, HALF, dim=0), heads_h, dims_g)
         words = _scale_words(src, sc, ok_a)
         tile = lo
         k1, tile, hi, end, tm, nm, nx, ir, xr = _advance(k0, tile, hi, end, tm, nm, nx, ir, xr, P, item_args)
         raw = _raw_slots(ir, xr, i_s2, x_s2, tile, tm, nm, nx, rows, EXTRA)
-        async_copy.wait_group(0)
+        async_copy.wait_group(1)             # all but Q's second half: it lands under the first dequantisation
         gl.thread_barrier()
         _dequant_staged(st4, st2, st1, words, bufs.index(0), P1)
         gl.thread_barrier()                  # the staging buffers read
@@ -589,6 +596,7 @@ if gluon is not None:
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
         h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
         d_o = gl.arange(0, D, layout=gl.SliceLayout(0, _O_MMA))
+        async_copy.wait_group(1)             # Q's second half (c1's codes may fly)
         fence_async_shared()
         gl.thread_barrier()                  # row buffer 0 written
         ia = pid * 0                         # c0's rows
