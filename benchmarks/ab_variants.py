@@ -1,12 +1,14 @@
 """A/B of kernel-module variants in one process (GPU): `python -m benchmarks.ab_variants FAMILY [--rounds N] VARIANT...`
 
-FAMILY is `topk` (the top-k benchmark's four cases) or `insert` (the indexer K insert cases). Each VARIANT is
-`LABEL=PATH[:NAME=VALUE,...]`: the kernel module's source at PATH (e.g. the current `torch_dsv4_ops/kernels/topk.py`,
-or an older version saved with `git show REV:torch_dsv4_ops/kernels/topk.py > old.py`), loaded as its own module
-inside the package (so its relative imports resolve), with module constants overridden (`REG_CAP=92` sets
-`{"cuda": 92}`). The op module's `kernels` is pointed at each variant in turn and its plan cache emptied, and every
-case is checked against the reference and timed by CUDA-graph replay (`harness.time_graph`), the variants
-alternating in each of N rounds, so that machine drift shows as a difference between rounds, not variants.
+FAMILY is `topk` (the top-k benchmark's four cases), `insert` (the indexer K insert cases) or `sparse_mla` (the
+sparse MLA benchmark's decode and prefill cases through the sm_90 Gluon kernels, `kernels/sparse_mla_gluon.py`).
+Each VARIANT is `LABEL=PATH[:NAME=VALUE,...]`: the kernel module's source at PATH (e.g. the current
+`torch_dsv4_ops/kernels/topk.py`, or an older version saved with `git show REV:torch_dsv4_ops/kernels/topk.py >
+old.py`), loaded as its own module inside the package (so its relative imports resolve), with module constants
+overridden (`REG_CAP=92` sets `{"cuda": 92}`). The op module's reference to the kernel module is pointed at each
+variant in turn and its plan caches emptied, and every case is checked against the reference and timed by CUDA-graph
+replay (`harness.time_graph`), the variants alternating in each of N rounds, so that machine drift shows as a
+difference between rounds, not variants.
 """
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ import tempfile
 import torch
 import triton.language as tl
 
-from torch_dsv4_ops.ops import indexer as indexer_ops, topk as topk_ops
+from torch_dsv4_ops.ops import indexer as indexer_ops, sparse_mla as sparse_mla_ops, topk as topk_ops
 from torch_dsv4_ops.ops._plans import PlanCache
 
-from . import bench_indexer, bench_topk, harness
+from . import bench_indexer, bench_sparse_mla, bench_topk, harness
 
 
 def load_kernel_source(stem: str, source: str, directory: str):
@@ -69,8 +71,17 @@ def _insert_cases(device) -> list:
     return [(s, bench_indexer.build_insert(s, device)) for s in specs]
 
 
-# family: (op module whose `kernels` is swapped, its plan cache's name, the cases)
-FAMILIES = {"topk": (topk_ops, "_PLANS", _topk_cases), "insert": (indexer_ops, "_INSERT_PLANS", _insert_cases)}
+def _sparse_mla_cases(device) -> list:
+    specs = [bench_sparse_mla.Spec(kind, batch) for kind, batch in (("c4a", 256), ("swa", 256), ("c4a", 64),
+                                                                       ("c4a", 8))]
+    specs.append(bench_sparse_mla.Spec("prefill", bench_sparse_mla.PREFILL_TOKENS))
+    return [(s, bench_sparse_mla.build(s, device)) for s in specs]
+
+
+# family: (op module, its attribute that holds the kernel module swapped, its plan caches' names, the cases)
+FAMILIES = {"topk": (topk_ops, "kernels", ("_PLANS",), _topk_cases),
+            "insert": (indexer_ops, "kernels", ("_INSERT_PLANS",), _insert_cases),
+            "sparse_mla": (sparse_mla_ops, "sparse_mla_gluon", ("_DECODE_PLANS", "_PREFILL_PLANS"), _sparse_mla_cases)}
 
 
 def main() -> int:
@@ -82,8 +93,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("ab_variants: needs a CUDA GPU")
         return 1
-    ops, plans, build = FAMILIES[args.family]
-    original = ops.kernels
+    ops, attribute, plans, build = FAMILIES[args.family]
+    original = getattr(ops, attribute)
     with tempfile.TemporaryDirectory() as d:
         variants = [(label, load_variant(i, path, consts, d))
                     for i, (label, path, consts) in enumerate(map(parse, args.variants))]
@@ -92,16 +103,18 @@ def main() -> int:
         try:
             for r in range(args.rounds):
                 for label, module in variants:
-                    ops.kernels = module
-                    setattr(ops, plans, PlanCache())
+                    setattr(ops, attribute, module)
+                    for name in plans:
+                        setattr(ops, name, PlanCache())
                     cells = []
                     for spec, w in workloads:
                         check = w.check()
                         cells.append(f"{spec.name} {harness.time_graph(w, 20):8.2f} us {check}")
                     print(f"r{r} {label:{width}s} " + " | ".join(cells), flush=True)
         finally:
-            ops.kernels = original
-            setattr(ops, plans, PlanCache())
+            setattr(ops, attribute, original)
+            for name in plans:
+                setattr(ops, name, PlanCache())
     return 0
 
 

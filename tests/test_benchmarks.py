@@ -83,6 +83,22 @@ def test_ab_variants_loads_a_module_copy(tmp_path):
     assert module.constexprs(topk.MODE_PREFILL, 8192, 512, cuda)["HALVINGS"] == 1
 
 
+def test_ab_variants_families_name_what_they_swap(tmp_path):
+    """Each ab_variants family names an attribute of its op module that holds the kernel module a variant replaces,
+    and plan caches that exist; a copy of the sparse MLA Gluon module loads as a module of its own."""
+    from benchmarks import ab_variants
+    from torch_dsv4_ops.kernels import sparse_mla_gluon
+    from torch_dsv4_ops.ops._plans import PlanCache
+
+    for ops, attribute, plans, _ in ab_variants.FAMILIES.values():
+        assert getattr(ops, attribute).__name__.startswith("torch_dsv4_ops.kernels.")
+        assert all(isinstance(getattr(ops, name), PlanCache) for name in plans)
+    ops, attribute, _, _ = ab_variants.FAMILIES["sparse_mla"]
+    assert getattr(ops, attribute) is sparse_mla_gluon
+    module = ab_variants.load_variant(1, "torch_dsv4_ops/kernels/sparse_mla_gluon.py", {}, str(tmp_path))
+    assert module is not sparse_mla_gluon and module.DECODE_SHARED_MEMORY == sparse_mla_gluon.DECODE_SHARED_MEMORY
+
+
 def test_sm_rate_probe_configs_make_decode_plans():
     """benchmarks/probe_sm_rates.py's config strings give the tile dicts the decode plan takes (so the GPU-only probe
     keeps working as the plan's keys change)."""
