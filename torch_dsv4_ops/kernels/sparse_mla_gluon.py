@@ -120,6 +120,13 @@ if gluon is not None:
         return gl.convert_layout(gl.sum(l_2, axis=1), gl.SliceLayout(1, _S_MMA))
 
     @gluon.jit
+    def _empty_state():
+        """The running state of a row before its first step: max -inf, sums (warpgroup parts) 0, acc 0."""
+        m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
+        l_2 = _warpgroup_parts(gl.zeros([64, 64], gl.float32, _S_MMA), gl.sum)
+        return m_i, l_2, gl.zeros([64, 512], gl.float32, _O_MMA)
+
+    @gluon.jit
     def _softmax_step(s, ok, scale, m_i, l_2, acc, mx):
         """One step of the online softmax (base 2) on the scores s [64, 64] (invalid where not ok): the running max
         (`_row_max` through mx), the running sums as each warpgroup's part l_2 [64, 2] (summed at the end only),
@@ -272,9 +279,7 @@ if gluon is not None:
         t1, it1, n1, e1, r1 = _next_step(t0, 0, n0, e0, r0, P, tok_args)
 
         scale = sm_scale * 1.4426950408889634
-        m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
-        l_2 = _warpgroup_parts(gl.zeros([H, BN], gl.float32, _S_MMA), gl.sum)
-        acc = gl.zeros([H, D], gl.float32, _O_MMA)
+        m_i, l_2, acc = _empty_state()
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
         h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
         d_o = gl.arange(0, D, layout=gl.SliceLayout(0, _O_MMA))
@@ -313,9 +318,8 @@ if gluon is not None:
                 gl.store(lse_ptr + t0 * lse_s0 + heads * lse_s1, lse)
                 gl.store(max_ptr + t0 * max_s0 + heads * max_s1, m_i * 0.6931471805599453)
                 gl.store(o_ptr + t0 * o_s0 + (h_o * o_s1)[:, None] + d_o[None, :], out)
-                m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
-                l_2 = _warpgroup_parts(gl.zeros([H, BN], gl.float32, _S_MMA), gl.sum)
-                acc = warpgroup_mma_init(gl.zeros([H, D], gl.float32, _O_MMA))
+                m_i, l_2, acc = _empty_state()
+                acc = warpgroup_mma_init(acc)
                 iq = ib
             ib = ia
             ia = i_n
@@ -486,10 +490,15 @@ if gluon is not None:
         return (t // s_q).to(gl.int64), (t % s_q).to(gl.int64)
 
     @gluon.jit
+    def _q_row(q_ptr, k, splits, s_q, q_s08, q_s18):
+        """The first element of work item k's query row (q strides in units of 8 elements)."""
+        b, j = _query_row(k, splits, s_q)
+        return q_ptr + b * (q_s08 * 8) + j * (q_s18 * 8)
+
+    @gluon.jit
     def _load_q(q_ptr, q_smem, k, splits, s_q, q_s08, q_s18, q_s28, heads_g, dims_g):
         """cp.async of item k's query row [64 heads, 512] into q_smem; one commit group."""
-        b, j = _query_row(k, splits, s_q)
-        _copy_q(q_ptr + b * (q_s08 * 8) + j * (q_s18 * 8), q_s28 * 8, q_smem, heads_g, dims_g)
+        _copy_q(_q_row(q_ptr, k, splits, s_q, q_s08, q_s18), q_s28 * 8, q_smem, heads_g, dims_g)
 
     @gluon.jit(do_not_specialize=("s_q", "width", "x_width", "num_rows", "x_num_rows", "ml_base", "n_items",
                                   "splits"))
@@ -537,8 +546,7 @@ if gluon is not None:
         st1 = gl.allocate_shared_memory(gl.uint8, [BN, 1, 64], PLAIN)
         mx = gl.allocate_shared_memory(gl.float32, [2, H], _MX_SH)
         k0 = pid
-        b0, j0 = _query_row(k0, splits, s_q)
-        q_row0 = q_ptr + b0 * (q_s08 * 8) + j0 * (q_s18 * 8)
+        q_row0 = _q_row(q_ptr, k0, splits, s_q, q_s08, q_s18)
         # the first item's Q in two halves of heads: the second is copied after the first rows and lands under their
         # dequantisation (SWA-only B = 256 -2 %, C4A B = 64 -1 %: NOTES.md "Barriers nothing asks for")
         HALF: gl.constexpr = H // 2
@@ -547,6 +555,7 @@ if gluon is not None:
         rows = gl.arange(0, BN, layout=RL)
         # the lists' first entries read beside the lengths (not after them: one latency less before the first
         # codes), cut by the lengths once they land
+        b0, j0 = _query_row(k0, splits, s_q)
         live0 = k0 < n_items
         head_m = gl.load(idx_ptr + b0 * i_s0 + j0 * i_s1 + rows * i_s2, mask=(rows < width) & live0, other=-1)
         head_x = head_m
@@ -590,9 +599,7 @@ if gluon is not None:
         last1 = k2 != k1
 
         scale = sm_scale * 1.4426950408889634
-        m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
-        l_2 = _warpgroup_parts(gl.zeros([H, BN], gl.float32, _S_MMA), gl.sum)
-        acc = gl.zeros([H, D], gl.float32, _O_MMA)
+        m_i, l_2, acc = _empty_state()
         s_zero = gl.zeros([H, BN], gl.float32, _S_MMA)
         h_o = gl.arange(0, H, layout=gl.SliceLayout(1, _O_MMA))
         d_o = gl.arange(0, D, layout=gl.SliceLayout(0, _O_MMA))
@@ -649,9 +656,7 @@ if gluon is not None:
                     kv.store(out)
                     gl.thread_barrier()
                     gl.store(o_ptr + b * o_s0 + j * o_s1 + (heads_g * o_s2)[:, None] + dims_g[None, :], kv.load(G_L))
-                m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, _S_MMA))
-                l_2 = _warpgroup_parts(gl.zeros([H, BN], gl.float32, _S_MMA), gl.sum)
-                acc = gl.zeros([H, D], gl.float32, _O_MMA)
+                m_i, l_2, acc = _empty_state()
             async_copy.wait_group(1)         # c1's RoPE and the next Q (c2's codes may fly)
             fence_async_shared()
             gl.thread_barrier()              # nxt written, and both warpgroups done with kv
