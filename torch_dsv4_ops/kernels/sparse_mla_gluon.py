@@ -6,10 +6,11 @@ spills: 31 % of the bf16 matmul rate on an H100 (benchmarks/NOTES.md, "Sparse ML
 A program (one query row, 64 heads = the M of both products) holds Q [64, 512] in shared memory; its two
 warpgroups split the N of both products: scores S = Q K^T [64, 64] (32 keys each), then O += P V [64, 512] (256
 output columns each: 128 accumulator registers a thread), P moving through shared memory to the A operand.
-Online softmax in base 2 as the Triton kernel's; the sink enters the denominator at the end only. A row's max
-crosses the warpgroups through a 512-byte buffer (one barrier; Triton's cross-warp reduction takes three) and its
-sum stays as each warpgroup's part until the end (NOTES.md "Barriers nothing asks for": C4A B = 256 -4 %, the
-prefill -3 %).
+Online softmax in base 2 as the Triton kernel's; the sink enters the denominator at the end only (the decode
+divides P and acc's rescale by it in an unsplit item's last step, so that the O product leaves the output
+normalised: one pass over acc less, C4A B = 256 -0.9 %). A row's max crosses the warpgroups through a 512-byte
+buffer (one barrier; Triton's cross-warp reduction takes three) and its sum stays as each warpgroup's part until the
+end (NOTES.md "Barriers nothing asks for": C4A B = 256 -4 %, the prefill -3 %).
 
 * Prefill (`sparse_mla_prefill_gluon_kernel`): each step's 64 selected rows are copied with `cp.async` straight
   into one of two row buffers (zero-filled where a position is not selected). Persistent: at most one program an
@@ -127,10 +128,12 @@ if gluon is not None:
         return m_i, l_2, gl.zeros([64, 512], gl.float32, _O_MMA)
 
     @gluon.jit
-    def _softmax_step(s, ok, scale, m_i, l_2, acc, mx):
+    def _softmax_step(s, ok, scale, m_i, l_2, acc, mx, last, z, SINKS: gl.constexpr):
         """One step of the online softmax (base 2) on the scores s [64, 64] (invalid where not ok): the running max
         (`_row_max` through mx), the running sums as each warpgroup's part l_2 [64, 2] (summed at the end only),
-        acc rescaled, and P (bf16) for the step's O product."""
+        acc rescaled, and P (bf16) for the step's O product. Where `last` (a row's last step, its output to leave
+        the O product normalised; False as a constant: never), P and acc's rescale are divided by the denominator
+        (`_normaliser`, the sink logits z), and lse is the rows' (else a placeholder)."""
         s = gl.where(ok[None, :], s * scale, float("-inf"))
         m_new = gl.maximum(m_i, _row_max(s, mx))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -138,21 +141,27 @@ if gluon is not None:
         alpha = gl.exp2(m_i - m_use)
         parts = _warpgroup_parts(p, gl.sum)
         l_2 = l_2 * gl.convert_layout(alpha, gl.SliceLayout(1, parts.type.layout))[:, None] + parts
+        lse = alpha
+        if last:
+            inv, lse = _normaliser(m_new, _row_total(l_2), z, SINKS)
+            alpha = alpha * inv
+            p = p * inv[:, None]
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, _O_MMA))[:, None]
-        return m_new, l_2, acc, p.to(gl.bfloat16)
+        return m_new, l_2, acc, p.to(gl.bfloat16), lse
 
     @gluon.jit
-    def _online_step(s, ok, scale, m_i, l_2, acc, kv, mx):
+    def _online_step(s, ok, scale, m_i, l_2, acc, kv, mx, last, z, SINKS: gl.constexpr):
         """`_softmax_step`, then the step's O product over the rows in kv issued asynchronously, P converted to
-        its register A operand (through the layout scratch)."""
-        m_i, l_2, acc, p = _softmax_step(s, ok, scale, m_i, l_2, acc, mx)
-        return m_i, l_2, warpgroup_mma(gl.convert_layout(p, _P_OP), kv, acc, is_async=True)
+        its register A operand (through the layout scratch). Where `last`, the product leaves the normalised
+        output (one rescale of acc at an item's end, not two); returns lse too."""
+        m_i, l_2, acc, p, lse = _softmax_step(s, ok, scale, m_i, l_2, acc, mx, last, z, SINKS)
+        return m_i, l_2, warpgroup_mma(gl.convert_layout(p, _P_OP), kv, acc, is_async=True), lse
 
     @gluon.jit
     def _online_step_smem(s, ok, scale, m_i, l_2, acc, kv, mx, p_smem):
         """`_online_step` with P stored to p_smem [64, 64] as the O product's A operand: one barrier where the
         conversion to the register operand takes four."""
-        m_i, l_2, acc, p = _softmax_step(s, ok, scale, m_i, l_2, acc, mx)
+        m_i, l_2, acc, p, _ = _softmax_step(s, ok, scale, m_i, l_2, acc, mx, False, 0.0, False)
         p_smem.store(p)
         fence_async_shared()
         gl.thread_barrier()
@@ -167,15 +176,21 @@ if gluon is not None:
         return z
 
     @gluon.jit
-    def _finish(acc, m_i, l_i, z, SINKS: gl.constexpr):
-        """(out [64, 512] bf16, lse) of finished running state, the sink logits z (`_sink_logits`) added to the
-        denominator."""
+    def _normaliser(m_i, l_i, z, SINKS: gl.constexpr):
+        """(1 / denominator, lse) of rows' finished running max and sum, the sink logits z (`_sink_logits`) added
+        to the denominator; (0, +inf) for a row that selected nothing."""
         denom = l_i
         if SINKS:
             denom = l_i + gl.exp2(z - gl.where(m_i == float("-inf"), 0.0, m_i))
         empty = l_i == 0
         inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, denom))
         lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        return inv, lse
+
+    @gluon.jit
+    def _finish(acc, m_i, l_i, z, SINKS: gl.constexpr):
+        """(out [64, 512] bf16, lse) of finished running state (`_normaliser`)."""
+        inv, lse = _normaliser(m_i, l_i, z, SINKS)
         out = (acc * gl.convert_layout(inv, gl.SliceLayout(1, _O_MMA))[:, None]).to(gl.bfloat16)
         return out, lse
 
@@ -627,8 +642,9 @@ if gluon is not None:
                 gl.thread_barrier()          # both warpgroups' scores done: the old Q's buffer takes c1's rows
                 _stage_rope(src_b, row_b, ok_b, bufs.index(i_n), RP)
             nxt = bufs.index(i_n)
-            m_i, l_2, acc = _online_step(sc_t, gl.convert_layout(ok_a, gl.SliceLayout(0, _S_MMA)), scale, m_i,
-                                         l_2, acc, kv, mx)
+            # an unsplit item's last step leaves its output normalised (C4A B = 256 -0.9 %)
+            m_i, l_2, acc, lse = _online_step(sc_t, gl.convert_layout(ok_a, gl.SliceLayout(0, _S_MMA)), scale,
+                                              m_i, l_2, acc, kv, mx, last0 and not SPLIT, z, SINKS)
             gl.thread_barrier()              # c1's codes, copied by every thread, visible to all
             _dequant_staged(st4, st2, st1, words, nxt, P1)
             gl.thread_barrier()              # the staging buffers read
@@ -649,7 +665,7 @@ if gluon is not None:
                 else:
                     b = t // s_q
                     j = t % s_q
-                    out, lse = _finish(acc, m_i, _row_total(l_2), z, SINKS)
+                    out = acc.to(gl.bfloat16)
                     gl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + j * lse_s2, lse)
                     # through the row buffer the O product just read: 16-byte stores, whole lines a warp
                     gl.thread_barrier()
