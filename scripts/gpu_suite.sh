@@ -4,9 +4,16 @@
 # $OUT/memcheck.log, $OUT/memcheck_early.log, $OUT/selfcheck.txt, $OUT/bench/bench_<family>.{json,png} for every family,
 # $OUT/bench/probe_launch.txt.
 # Runs the benchmarks even when tests fail; exits with pytest's status.
+# ARCHIVE=NAME.tgz: write everything to a scratch folder and leave only $OUT/NAME.tgz (for a runner that returns few
+# files; unpack it under benchmarks/results/).
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/out}
+ARCHIVE_TO=
+if [ -n "$ARCHIVE" ]; then
+  mkdir -p "$OUT" && ARCHIVE_TO=$(cd "$OUT" && pwd)/$ARCHIVE
+  OUT=$(mktemp -d)
+fi
 mkdir -p "$OUT/bench"
 unset TRITON_INTERPRET
 export PYTHONUNBUFFERED=1
@@ -111,4 +118,7 @@ else
   tail -n 30 "$OUT/bench.log"
 fi
 echo "benchmarks rc=$bench_rc$([ "$bench_rc" = 124 ] && echo ' (hit its 240 s timeout; partial JSON in bench/)')"
+if [ -n "$ARCHIVE_TO" ]; then
+  tar czf "$ARCHIVE_TO" -C "$OUT" . && echo "outputs packed in $ARCHIVE_TO"
+fi
 exit "$test_rc"
