@@ -330,12 +330,19 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def _git_revision() -> str | None:
+def _git_revision(root: str | None = None) -> str | None:
+    """The short commit of the checkout at root (default: this one), with "+dirty" where tracked files differ from
+    it (a copied tree whose .git is older than its files reports its commit as dirty, not as the code that ran)."""
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
-        return out.stdout.strip() or None
+        root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+        def git(*args):
+            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=5).stdout.strip()
+
+        rev = git("rev-parse", "--short", "HEAD")
+        if rev and git("status", "--porcelain", "--untracked-files=no"):
+            rev += "+dirty"
+        return rev or None
     except Exception:
         return None
 

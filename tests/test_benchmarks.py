@@ -3,8 +3,11 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -65,6 +68,28 @@ def test_topk_phase_probe_matches_kernel():
     one_tile = src[src.index("def _one_tile("):src.index("def _tiles_histogram(")]
     assert one_tile.count("= _clock(") == probe_topk_phases.STAMPS + 1
     assert one_tile.count("_stamp(out_row") == probe_topk_phases.STAMPS
+
+
+def test_git_revision_marks_a_dirty_tree(tmp_path):
+    """The JSON's `git` field names the commit, and says so where the tracked files differ from it."""
+    from benchmarks import harness
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one")
+    git("add", "a.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    rev = git("rev-parse", "--short", "HEAD")
+    assert harness._git_revision(str(tmp_path)) == rev
+    (tmp_path / "untracked.txt").write_text("x")
+    assert harness._git_revision(str(tmp_path)) == rev
+    (tmp_path / "a.txt").write_text("two")
+    assert harness._git_revision(str(tmp_path)) == rev + "+dirty"
 
 
 def test_ab_variants_loads_a_module_copy(tmp_path):
