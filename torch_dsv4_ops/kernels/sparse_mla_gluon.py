@@ -572,11 +572,10 @@ if gluon is not None:
         # codes), cut by the lengths once they land
         b0, j0 = _query_row(k0, splits, s_q)
         live0 = k0 < n_items
-        head_m = gl.load(idx_ptr + b0 * i_s0 + j0 * i_s1 + rows * i_s2, mask=(rows < width) & live0, other=-1)
+        head_m = _entries(idx_ptr + b0 * i_s0 + j0 * i_s1, i_s2, 0, width * live0.to(gl.int32), rows)
         head_x = head_m
         if EXTRA:
-            head_x = gl.load(x_idx_ptr + b0 * x_s0 + j0 * x_s1 + rows * x_s2, mask=(rows < x_width) & live0,
-                             other=-1)
+            head_x = _entries(x_idx_ptr + b0 * x_s0 + j0 * x_s1, x_s2, 0, x_width * live0.to(gl.int32), rows)
         total = pid * 0                      # the program's steps
         for kk in range(pid, n_items, P):
             lo, _, end, _, _, _, _, _ = _item(kk, *item_args)
@@ -663,8 +662,7 @@ if gluon is not None:
                     gl.store(part_ptr + ml_base + 2 * prow, m_i)
                     gl.store(part_ptr + ml_base + 2 * prow + 1, _row_total(l_2))
                 else:
-                    b = t // s_q
-                    j = t % s_q
+                    b, j = _query_row(k0, splits, s_q)
                     out = acc.to(gl.bfloat16)
                     gl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + j * lse_s2, lse)
                     # through the row buffer the O product just read: 16-byte stores, whole lines a warp
