@@ -8,8 +8,8 @@ green context of k SMs (`torch.cuda.green_contexts`), it prints torch.sum's read
 config, the mixed step's decode part (60 requests x 2048 keys, the benchmark's heads and block size) in us and GB/s
 an SM, beside the same call on the whole GPU.
 
-A config is `default` (the committed plan) or BLOCK_N:warps:stages:programs_per_SM:loop, the loop being r (register
-prefetch), p (Triton's pipeline) or c (the table-chunk loop, one warp). A diagnostic, not a benchmark: prints a table
+A config is `default` (the committed plan) or BLOCK_N:warps:stages:programs_per_SM:loop, the loop being p (Triton's
+pipeline) or c (the table-chunk loop, one warp). A diagnostic, not a benchmark: prints a table
 and writes JSON with --out.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch_dsv4_ops.ops import attention as ops
 
 from . import bench_attention as bench
 
-LOOPS = {"r": kernels.LOOP_REGISTERS, "p": kernels.LOOP_PIPELINE, "c": kernels.LOOP_TABLE_CHUNKS}
+LOOPS = {"p": kernels.LOOP_PIPELINE, "c": kernels.LOOP_TABLE_CHUNKS}
 READ_ELEMENTS = 256 * 2**20          # fp32: 1 GiB
 
 
@@ -37,7 +37,7 @@ def decode_tiles(config: str, geo: kernels.Geometry, target: platform.Target, bl
         return None
     block_n, warps, stages, per_sm, loop = config.split(":")
     tiles = dict(BLOCK_H=block_h, BLOCK_N=int(block_n), num_warps=int(warps),
-                 num_stages=int(stages), per_sm=int(per_sm), loop=LOOPS[loop], k_groups=loop != "r")
+                 num_stages=int(stages), per_sm=int(per_sm), loop=LOOPS[loop])
     if loop == "c":
         tiles.update(chunk=kernels.table_chunk(geo.bs, int(block_n), target), at_most=True)
     return tiles

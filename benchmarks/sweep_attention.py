@@ -1,10 +1,11 @@
 """Tile sweep of the attention kernels on a GPU: `python -m benchmarks.sweep_attention [--decode-only |
---prefill-only] [--prefetch] [--bf16-only]`.
+--prefill-only] [--chunks] [--bf16-only]`.
 
 Times the benchmark's decode and mixed-step cases (benchmarks/bench_attention.py) under each tile
 setting of `kernels/attention.py` (patched in place of `decode_tiles` / `prefill_tiles`) and prints
 one line per (setting, case): median µs by do_bench and GB/s. The committed defaults come from it.
---prefetch sweeps the decode kernel's register-prefetch loop (LOOP_REGISTERS) instead of its tiles; --bf16-only
+The decode tiles are timed in Triton's pipeline (LOOP_PIPELINE); --chunks sweeps the table-chunk loop instead
+(LOOP_TABLE_CHUNKS, one warp, the grid within per_sm programs an SM, the mixed step too); --bf16-only
 leaves out the fp8-cache cases; SWEEP_PREFILL="256x64x8x3,128x64x4x2x0,..." picks the prefill tiles (BLOCK_M x
 BLOCK_N x warps x stages [x tile_ids]) to time instead of all 24.
 """
@@ -26,11 +27,11 @@ from . import harness
 # (BLOCK_N, warps, stages, programs per SM the split count aims at) of the decode kernel
 DECODE_CONFIGS = ((128, 4, 2, 2), (128, 4, 3, 2), (64, 2, 2, 4), (64, 2, 3, 4), (64, 4, 2, 4), (32, 1, 2, 4),
                   (32, 1, 3, 8), (32, 1, 4, 8), (32, 2, 2, 8), (32, 2, 3, 8))
-# --prefetch: the register-prefetch loop (one stage), against the defaults (None)
-# (..., MAX_SPLITS, K_GROUPS) where given (MAX_SPLITS None: the default); the first setting is timed again last,
-# for the run-to-run spread
-PREFETCH_CONFIGS = (None, (32, 2, 1, 4, None, False), (32, 1, 1, 8, None, False), (16, 1, 1, 8, None, False),
-                    (32, 2, 1, 4), None)
+# --chunks: (BLOCK_N, stages, per_sm, k_groups, early touch, combine parts) of the table-chunk loop on one warp,
+# against the defaults (None), timed again last
+CHUNK_CONFIGS = (None, (16, 2, 8, True, False, 4), (16, 3, 8, True, False, 4), (16, 4, 8, True, False, 4),
+                 (16, 2, 8, True, False, 1), (16, 2, 8, False, False, 4), (16, 2, 11, True, False, 4),
+                 (16, 2, 8, True, True, 4), (32, 2, 8, True, False, 4), None)
 
 
 def _time(args) -> float:
@@ -62,44 +63,18 @@ def main() -> int:
             batches[s.name] = (s, example_batch(s.query_lens(), s.seq_lens(), hq=bench.HQ, hkv=bench.HKV,
                                                 dim=bench.D, bs=bench.BS, fp8=s.fp8, seed=1, device=device))
     original_decode = kernels.decode_tiles
-    max_splits = kernels.MAX_SPLITS
-    prefetch = "--prefetch" in sys.argv
-    configs = PREFETCH_CONFIGS if prefetch else DECODE_CONFIGS
-    for config in () if "--prefill-only" in sys.argv else configs:
-        kernels.MAX_SPLITS = config[4] if config is not None and len(config) > 4 and config[4] else max_splits
-        k_groups = config[5] if config is not None and len(config) > 5 else "default"
+    chunks = "--chunks" in sys.argv
+    for config in () if "--prefill-only" in sys.argv else CHUNK_CONFIGS if chunks else DECODE_CONFIGS:
         if config is None:
-            block_n = warps = stages = per_sm = "default"
-            kernels.decode_tiles = original_decode
+            kernels.decode_tiles, label = original_decode, "default"
+        elif chunks:
+            kernels.decode_tiles = _chunk_tiles(original_decode, *config)
+            label = "chunks BLOCK_N={} stages={} per_sm={} k_groups={} touch={} parts={}".format(*config)
         else:
-            block_n, warps, stages, per_sm = config[:4]
-
-            def tiles(geo, q_dtype, kv_fp8, target, block_n=block_n, warps=warps, stages=stages, per_sm=per_sm,
-                      k_groups=k_groups):
-                t = dict(original_decode(geo, q_dtype, kv_fp8, target), BLOCK_N=block_n, num_warps=warps,
-                         num_stages=stages, per_sm=per_sm)
-                loop = t.get("loop", kernels.LOOP_PIPELINE)
-                if prefetch:
-                    loop = kernels.LOOP_REGISTERS
-                elif loop == kernels.LOOP_REGISTERS:   # the tile sweep times float caches in Triton's pipeline
-                    loop = kernels.LOOP_PIPELINE
-                t["loop"] = loop
-                if loop == kernels.LOOP_TABLE_CHUNKS:   # fp8 caches keep their loop
-                    t["chunk"] = kernels.table_chunk(geo.bs, block_n, target)
-                return t if k_groups == "default" else dict(t, k_groups=k_groups)
-            kernels.decode_tiles = tiles
-        _reset()
-        for s in all_decode:
-            try:
-                us = _time(batches[s.name][1])
-                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} per_sm={per_sm} "
-                      f"max_splits={kernels.MAX_SPLITS} k_groups={k_groups} | {s.name}: {us:.1f} us "
-                      f"{s.bytes_per_call() / us / 1e3:.0f} GB/s", flush=True)
-            except Exception as e:   # e.g. out of shared memory
-                print(f"decode BLOCK_N={block_n} warps={warps} stages={stages} per_sm={per_sm} | {s.name}: "
-                      f"ERROR {e!s:.100}", flush=True)
+            kernels.decode_tiles = _pipeline_tiles(original_decode, *config)
+            label = "BLOCK_N={} warps={} stages={} per_sm={}".format(*config)
+        _time_decodes(all_decode + [mixed] if chunks else all_decode, batches, label)
     kernels.decode_tiles = original_decode
-    kernels.MAX_SPLITS = max_splits
     _reset()
     if "--decode-only" in sys.argv:
         return 0
@@ -126,6 +101,38 @@ def main() -> int:
                 print(f"{label} | {s.name}: ERROR {e!s:.100}", flush=True)
     kernels.prefill_tiles = original_prefill
     return 0
+
+
+def _pipeline_tiles(original_decode, block_n, warps, stages, per_sm):
+    """`decode_tiles` with Triton's pipeline loop and these tiles, for every cache."""
+    def tiles(geo, q_dtype, kv_fp8, target):
+        t = original_decode(geo, q_dtype, kv_fp8, target)
+        return dict(t, BLOCK_N=block_n, num_warps=warps, num_stages=stages, per_sm=per_sm, at_most=False,
+                    loop=kernels.LOOP_PIPELINE, early=0)
+    return tiles
+
+
+def _chunk_tiles(original_decode, block_n, stages, per_sm, k_groups, touch, parts):
+    """`decode_tiles` with the table-chunk loop on one warp, for float caches too."""
+    from torch_dsv4_ops.kernels import early
+
+    def tiles(geo, q_dtype, kv_fp8, target):
+        t = original_decode(geo, q_dtype, kv_fp8, target)
+        return dict(t, BLOCK_N=block_n, num_warps=1, num_stages=stages, per_sm=per_sm, at_most=True,
+                    loop=kernels.LOOP_TABLE_CHUNKS, chunk=kernels.table_chunk(geo.bs, block_n, target),
+                    k_groups=k_groups, combine_parts=parts,
+                    early=early.flags(touch=touch, late=touch) if early.use_early(target) else 0)
+    return tiles
+
+
+def _time_decodes(specs, batches, label):
+    _reset()
+    for s in specs:
+        try:
+            us = _time(batches[s.name][1])
+            print(f"decode {label} | {s.name}: {us:.1f} us {s.bytes_per_call() / us / 1e3:.0f} GB/s", flush=True)
+        except Exception as e:   # e.g. out of shared memory
+            print(f"decode {label} | {s.name}: ERROR {e!s:.100}", flush=True)
 
 
 def _prefill_configs():

@@ -850,12 +850,16 @@ def _plan_inputs():
 
 
 def test_table_chunk_loop_on_one_warp():
-    """Every GPU target's fp8-cache decode takes the table-chunk loop on one warp per program (its tl.gather stays in
-    warp shuffles), over the head groups and dtypes the matrix compiles."""
+    """Every GPU target's decode of at most 128 dims from an fp8 cache, or from a float cache with groups of at most
+    FLOAT_CHUNK_MAX_ROWS heads, takes the table-chunk loop on one warp per program (its tl.gather stays in warp shuffles),
+    over the head groups and dtypes the matrix compiles."""
     k = attention_kernels
     for target, geo, q_dtype in _plan_inputs():
-        tiles = k.decode_tiles(geo, q_dtype, True, target)
-        assert tiles["loop"] != k.LOOP_TABLE_CHUNKS or tiles["num_warps"] == 1, (target, geo)
+        for kv_fp8 in (True, False):
+            tiles = k.decode_tiles(geo, q_dtype, kv_fp8, target)
+            assert tiles["loop"] != k.LOOP_TABLE_CHUNKS or tiles["num_warps"] == 1, (target, geo)
+            chunks = geo.block_d <= 128 and (kv_fp8 or geo.group <= k.FLOAT_CHUNK_MAX_ROWS)
+            assert (tiles["loop"] == k.LOOP_TABLE_CHUNKS) == chunks, (target, geo, kv_fp8)
 
 
 def test_prefill_tiles_fp8_caches_two_stages():

@@ -141,8 +141,8 @@ def test_sm_rate_probe_configs_make_decode_plans():
     chunks = probe_sm_rates.decode_tiles("16:1:3:11:c", geo, target, block_h)
     assert chunks["loop"] == kernels.LOOP_TABLE_CHUNKS and chunks["at_most"] and chunks["num_warps"] == 1
     assert chunks["chunk"] == kernels.table_chunk(16, 16, target)
-    prefetch = probe_sm_rates.decode_tiles("32:2:1:4:r", geo, target, block_h)
-    assert prefetch["loop"] == kernels.LOOP_REGISTERS and not prefetch["k_groups"] and prefetch["BLOCK_H"] == 16
-    for tiles in (chunks, prefetch, probe_sm_rates.decode_tiles("64:2:2:4:p", geo, target, block_h)):
+    pipeline = probe_sm_rates.decode_tiles("64:2:2:4:p", geo, target, block_h)
+    assert pipeline["loop"] == kernels.LOOP_PIPELINE and pipeline["BLOCK_H"] == 16
+    for tiles in (chunks, pipeline):
         meta = kernels.decode_constexprs(geo, kernels.Features(), numerics, tiles, 3)
         assert meta["BLOCK_N"] == tiles["BLOCK_N"] and meta["LOOP"] == tiles["loop"] and meta["SPLIT"]

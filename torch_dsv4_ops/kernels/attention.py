@@ -201,7 +201,7 @@ def _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
     offsets of one block each, starting at multiples of V_RUN elements (vector loads of V). WHOLE: key_ok
     is the blocks' validity alone (every key of the tile inside the range), so it is uniform over each run
     and V's load zero-fills the invalid keys itself (no pass over V in registers)."""
-    k_raw, v = _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, True, kc_s0, kc_s1, kc_s2, kc_s3,
+    k_raw, v = _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, kc_s0, kc_s1, kc_s2, kc_s3,
                             vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, K_GROUPS, WHOLE)
     return _cache_values(k_raw, v, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, K_GROUPS, not WHOLE)
 
@@ -225,12 +225,12 @@ def _cache_values(k_raw, v, key_ok, KV_FP8: tl.constexpr, KV_SW: tl.constexpr, D
 
 
 @triton.jit
-def _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, tile_live,
+def _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
                  kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2,
                  D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
                  K_GROUPS: tl.constexpr, V_KEYS: tl.constexpr):
     """The loads of `_cache_tile`, as loaded: K as [d group, key, x] (K_STD and K_GROUPS) or [BLOCK_D, N], V as
-    [N, BLOCK_D]. Nothing is read where tile_live (a scalar) is false. V_KEYS: V is masked by key_ok too
+    [N, BLOCK_D]. V_KEYS: V is masked by key_ok too
     (zeros for invalid keys; key_ok must be uniform over each V_RUN run for vector loads)."""
     off = (kp % BS).to(tl.int32)
     d_ok = d < D
@@ -255,7 +255,7 @@ def _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, tile_live,
     # no per-key mask (a mask that varies along a run prevents vector loads): every key's address is
     # inside a page (an invalid key's block is 0, which exists when num_blocks > 0), and invalid keys
     # are zeroed after the load, so NaN in pages outside the context never reaches the output
-    v_d_ok = d < tl.where((num_blocks > 0) & tile_live, D, 0)
+    v_d_ok = d < tl.where(num_blocks > 0, D, 0)
     if V_RUN > 0:   # the block id comes from a load, so the compiler cannot see these runs itself
         v_row = tl.max_contiguous(tl.multiple_of(v_row, V_RUN), V_RUN)
     if V_KEYS:
@@ -365,9 +365,7 @@ def _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, p_
                 CHUNK: tl.constexpr, CHUNK_COLS: tl.constexpr, MASK: tl.constexpr, TILE_IDS: tl.constexpr = False):
     """The online softmax over cached-key tiles [t_lo, t_hi) (keys below s_hi). LOOP (module constants):
     LOOP_PIPELINE, Triton's pipeline with each tile's block ids loaded in its own iteration (the pipeline then
-    issues a tile's copies only once its table load has returned); LOOP_REGISTERS, the next tile's K/V loaded
-    into registers before the current tile is used, its block ids one tile earlier still (one pipeline stage);
-    LOOP_TABLE_CHUNKS, the block ids of CHUNK tiles (CHUNK_COLS table columns) loaded before those tiles' loop,
+    issues a tile's copies only once its table load has returned); LOOP_TABLE_CHUNKS, the block ids of CHUNK tiles (CHUNK_COLS table columns) loaded before those tiles' loop,
     in which no load feeds an address, so that Triton's pipeline issues the K/V copies stages ahead. MASK as in
     `_tile_update`."""
     n = tl.arange(0, BLOCK_N)
@@ -375,64 +373,41 @@ def _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, p_
     # MAX_TILE_BLOCKS blocks (`_tile_block_ids`)
     TILE_BLOCKS: tl.constexpr = (BLOCK_N // BS if BLOCK_N % BS == 0 and BLOCK_N // BS <= MAX_TILE_BLOCKS
                                  else 1 if BS % BLOCK_N == 0 else 0) if TILE_IDS else 0
-    if LOOP == 1:   # LOOP_REGISTERS
-        kp = t_lo * BLOCK_N + n
-        blk, key_ok = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
-                                 TABLE_PTR)
-        k_raw, v_raw = _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, t_lo < t_hi, kc_s0, kc_s1,
-                                    kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, K_GROUPS, False)
-        kp = kp + BLOCK_N
-        blk1, ok1 = _block_ids(table_ptr, t_row, kp // BS, kp < s_hi, t_s1, W, num_blocks, cache_base, page_bytes,
-                               TABLE_PTR)
-        for it in range(t_lo, t_hi):
-            kp = it * BLOCK_N + n
-            kp2 = kp + 2 * BLOCK_N
-            blk2, ok2 = _block_ids(table_ptr, t_row, kp2 // BS, kp2 < s_hi, t_s1, W, num_blocks, cache_base,
-                                   page_bytes, TABLE_PTR)
-            k_raw1, v_raw1 = _cache_loads(kc_ptr, vc_ptr, kp + BLOCK_N, ok1, blk1, kvh, d, num_blocks, it + 1 < t_hi,
-                                          kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN,
-                                          K_GROUPS, False)
-            kt, v = _cache_values(k_raw, v_raw, key_ok, KV_FP8, KV_SW, DOT_DTYPE, K_STD, K_GROUPS, True)
-            m_i, l_i, acc = _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope, p_scale,
-                                         DOT_F32, CAUSAL, SW, ALIBI, P_SCALED, MASK)
-            k_raw, v_raw, key_ok = k_raw1, v_raw1, ok1
-            blk1, ok1 = blk2, ok2
+    # tiles whose keys all lie below s_hi, then the last one (the only one with keys past the range)
+    whole_hi = tl.minimum(tl.maximum(s_hi // BLOCK_N, t_lo), t_hi)
+    if LOOP == 1:   # LOOP_TABLE_CHUNKS
+        cc = tl.arange(0, CHUNK_COLS)
+        for c0 in range(t_lo, whole_hi, CHUNK):
+            col0 = (c0 * BLOCK_N) // BS
+            ids, ids_ok = _block_ids(table_ptr, t_row, col0 + cc, cc >= 0, t_s1, W, num_blocks, cache_base,
+                                     page_bytes, TABLE_PTR)
+            ids = tl.where(ids_ok, ids, -1)     # the block id of each column, -1 where invalid
+            for it in range(c0, tl.minimum(c0 + CHUNK, whole_hi)):
+                kp = it * BLOCK_N + n
+                g = tl.gather(ids, kp // BS - col0, 0)
+                if V_RUN > 0:   # one block per run: V's mask is uniform over its vector loads
+                    g = tl.max_constancy(g, V_RUN)
+                key_ok = g >= 0
+                blk = tl.maximum(g, 0)
+                kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, kc_s0, kc_s1, kc_s2,
+                                    kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, KV_FP8, KV_SW, DOT_DTYPE,
+                                    K_GROUPS, True)
+                m_i, l_i, acc = _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope,
+                                             p_scale, DOT_F32, CAUSAL, SW, ALIBI, P_SCALED, MASK)
     else:
-        # tiles whose keys all lie below s_hi, then the last one (the only one with keys past the range)
-        whole_hi = tl.minimum(tl.maximum(s_hi // BLOCK_N, t_lo), t_hi)
-        if LOOP == 2:   # LOOP_TABLE_CHUNKS
-            cc = tl.arange(0, CHUNK_COLS)
-            for c0 in range(t_lo, whole_hi, CHUNK):
-                col0 = (c0 * BLOCK_N) // BS
-                ids, ids_ok = _block_ids(table_ptr, t_row, col0 + cc, cc >= 0, t_s1, W, num_blocks, cache_base,
-                                         page_bytes, TABLE_PTR)
-                ids = tl.where(ids_ok, ids, -1)     # the block id of each column, -1 where invalid
-                for it in range(c0, tl.minimum(c0 + CHUNK, whole_hi)):
-                    kp = it * BLOCK_N + n
-                    g = tl.gather(ids, kp // BS - col0, 0)
-                    if V_RUN > 0:   # one block per run: V's mask is uniform over its vector loads
-                        g = tl.max_constancy(g, V_RUN)
-                    key_ok = g >= 0
-                    blk = tl.maximum(g, 0)
-                    kt, v = _cache_tile(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks, kc_s0, kc_s1, kc_s2,
-                                        kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X, K_STD, V_RUN, KV_FP8, KV_SW, DOT_DTYPE,
-                                        K_GROUPS, True)
-                    m_i, l_i, acc = _tile_update(q, kt, v, m_i, l_i, acc, qp, row_ok, kp, key_ok, scale, slope,
-                                                 p_scale, DOT_F32, CAUSAL, SW, ALIBI, P_SCALED, MASK)
-        else:
-            for it in range(t_lo, whole_hi):
-                m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, it * BLOCK_N + n, it >= 0, scale, slope,
-                                            p_scale, table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes,
-                                            kc_ptr, vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D,
-                                            BS, X, K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL,
-                                            SW, ALIBI, P_SCALED, K_GROUPS, MASK, True, it * BLOCK_N, TILE_BLOCKS)
-        for it in range(whole_hi, t_hi):
-            kp = it * BLOCK_N + n
-            m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < s_hi, scale, slope, p_scale,
-                                        table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr,
-                                        vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X,
-                                        K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW, ALIBI,
-                                        P_SCALED, K_GROUPS, MASK, False)
+        for it in range(t_lo, whole_hi):
+            m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, it * BLOCK_N + n, it >= 0, scale, slope,
+                                        p_scale, table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes,
+                                        kc_ptr, vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D,
+                                        BS, X, K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL,
+                                        SW, ALIBI, P_SCALED, K_GROUPS, MASK, True, it * BLOCK_N, TILE_BLOCKS)
+    for it in range(whole_hi, t_hi):
+        kp = it * BLOCK_N + n
+        m_i, l_i, acc = _cache_step(q, m_i, l_i, acc, qp, row_ok, kp, kp < s_hi, scale, slope, p_scale,
+                                    table_ptr, t_row, t_s1, W, num_blocks, cache_base, page_bytes, kc_ptr,
+                                    vc_ptr, kvh, d, kc_s0, kc_s1, kc_s2, kc_s3, vc_s0, vc_s1, vc_s2, D, BS, X,
+                                    K_STD, V_RUN, TABLE_PTR, KV_FP8, KV_SW, DOT_DTYPE, DOT_F32, CAUSAL, SW, ALIBI,
+                                    P_SCALED, K_GROUPS, MASK, False)
     return m_i, l_i, acc
 
 
@@ -644,7 +619,7 @@ def _decode_touch(qsl_ptr, seq_ptr, table_ptr, kc_ptr, vc_ptr, r, kvh, split, sp
     is_decode, q0, seq = _decode_request(qsl_ptr, seq_ptr, r, T, seq_s, True)
     t_lo, t_hi, s_hi = _split_tiles(is_decode, seq, split, splits, W, BS, BLOCK_N, SW)
     k_lo = t_lo * BLOCK_N
-    if LOOP == 2:   # LOOP_TABLE_CHUNKS: the columns of the loop's first table load
+    if LOOP == 1:   # LOOP_TABLE_CHUNKS: the columns of the loop's first table load
         cc = tl.arange(0, CHUNK_COLS)
         early_load(table_ptr + t_row + ((k_lo // BS) + cc) * t_s1, (t_hi > t_lo) & ((k_lo // BS) + cc < W))
     KEYS: tl.constexpr = TILES * BLOCK_N
@@ -882,14 +857,15 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
     table-chunk loop (LOOP_TABLE_CHUNKS, 3 stages: two tiles' copies in flight), 174 registers on sm_90, so 11
     programs per SM, and the split count keeps the grid within them (`at_most`): 64 x 4096 72 -> 80 % (90.5 % with
     the combine's tile sized to the split count), 256 x 1024 76 -> 91 %, 1 x 32768 44 -> 63 % of the read
-    ceiling. Float caches with groups of at most PREFETCH_MAX_ROWS heads take the register-prefetch loop
-    (LOOP_REGISTERS, `--prefetch`, 2026-11-26): 32-key tiles on 2 warps, bf16 64 x 4096 434 -> 411-414 us, with K
-    loaded as K^T (`k_groups` False: no element-wise shared-memory transpose, 244 registers without spills;
-    416-420 -> 412 us); the table-chunk loop lost there (58-68 % against 88 %). `per_sm`: the programs per SM the
+    ceiling. Float caches of at most 128 dims with groups of at most FLOAT_CHUNK_MAX_ROWS heads take the same loop
+    on 2 stages (one tile's copies in flight), 249 registers, so 8 programs per SM (`--chunks`, H200, 2026-11-28):
+    bf16 64 x 4096 380 -> 274 us, 256 x 1024 372 -> 275 us, 1 x 32768 60.9 -> 55.0 us against the register-prefetch
+    loop they had taken before (removed; on an H100 the table-chunk loop at 3 stages had been within 2 % of it, and
+    77.5 -> 71.4 % at 1 x 32768: NOTES.md "The mixed step's SM-time" item 6). `per_sm`: the programs per SM the
     split count aims at (decode_splits; with `at_most`, the most it allows). `chunk`: (CHUNK, CHUNK_COLS) of the
     table-chunk loop (table_chunk). `pdl`: launched as a programmatic dependent (sm_90+). `combine_parts`: the
     combine's programs per (request, head), at most (combine_parts; 1 when absent). fp8 caches take 4 (NOTES.md,
-    2026-11-27: 1 x 32768 33.9 -> 33.3 us; the same parts cost bf16 1 x 32768 1 us, and 2 parts lost on both);
+    2026-11-27: 1 x 32768 33.9 -> 33.3 us; 2 parts lost), and so do float caches in that loop (as swept);
     the interpreter takes them too, so that the CPU suite runs them. `early`: the EARLY flags (kernels/early.py);
     fp8 caches on PDL targets touch their first DECODE_TOUCH_TILES tiles before the wait and launch the combine
     after it (NOTES.md, 2026-11-27: 1 x 32768 33.4 -> 31.2 us, 1 x 8192 21.4 -> 15.3 us; float caches lost)."""
@@ -903,33 +879,30 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
 
 def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) -> dict:
     block_h = max(16, triton.next_power_of_2(geo.group))
-    prefetch = not kv_fp8 and block_h <= PREFETCH_MAX_ROWS
-    if target.backend == "interpreter":      # the loops of a GPU: float caches LOOP_REGISTERS, fp8 LOOP_TABLE_CHUNKS
-        loop = LOOP_REGISTERS if prefetch else LOOP_TABLE_CHUNKS if kv_fp8 else LOOP_PIPELINE
-        return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1, per_sm=PROGRAMS_PER_SM, loop=loop,
-                    chunk=table_chunk(geo.bs, 16, target), k_groups=not prefetch, combine_parts=MAX_COMBINE_PARTS)
+    chunks = kv_fp8 or block_h <= FLOAT_CHUNK_MAX_ROWS
+    if target.backend == "interpreter":      # the loops of a GPU, so that the CPU suite runs them
+        return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=4, num_stages=1, per_sm=PROGRAMS_PER_SM,
+                    loop=LOOP_TABLE_CHUNKS if chunks else LOOP_PIPELINE, chunk=table_chunk(geo.bs, 16, target),
+                    combine_parts=MAX_COMBINE_PARTS)
     if geo.block_d > 128 or q_dtype == torch.float32:
         # 2 stages need 147 KB at fp32 x 256 dims on sm_86 (99 KB) and 67.5 KB on gfx942 (64 KB); 1 stage 80 / 32 KB
         stages = 2 if platform.shared_memory_limit(target) >= WIDE_TWO_STAGE_SMEM else 1
         return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=4, num_stages=stages, per_sm=PROGRAMS_PER_SM // 2)
-    if kv_fp8:
-        return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=1, num_stages=3, per_sm=FP8_PROGRAMS_PER_SM,
-                    at_most=True, loop=LOOP_TABLE_CHUNKS, chunk=table_chunk(geo.bs, 16, target),
-                    combine_parts=MAX_COMBINE_PARTS,
-                    early=early.flags(touch=True, late=True) if early.use_early(target) else 0)
-    if prefetch:
-        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=2, num_stages=1, per_sm=PROGRAMS_PER_SM,
-                    loop=LOOP_REGISTERS, k_groups=False)
+    if chunks:
+        return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=1, num_stages=3 if kv_fp8 else 2,
+                    per_sm=FP8_PROGRAMS_PER_SM if kv_fp8 else FLOAT_CHUNK_PROGRAMS_PER_SM, at_most=True,
+                    loop=LOOP_TABLE_CHUNKS, chunk=table_chunk(geo.bs, 16, target), combine_parts=MAX_COMBINE_PARTS,
+                    early=early.flags(touch=True, late=True) if kv_fp8 and early.use_early(target) else 0)
     return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=2, num_stages=2, per_sm=PROGRAMS_PER_SM)
 
 
-LOOP_PIPELINE, LOOP_REGISTERS, LOOP_TABLE_CHUNKS = 0, 1, 2   # the cached-key loops of `_cache_loop` (on a GPU, the
-                                                             # last on one warp per program: decode_tiles)
+LOOP_PIPELINE, LOOP_TABLE_CHUNKS = 0, 1   # the cached-key loops of `_cache_loop` (on a GPU, the second on one
+                                         # warp per program: decode_tiles)
 MAX_TILE_BLOCKS = tl.constexpr(8)   # LOOP_PIPELINE: whole tiles of at most this many blocks load an entry per block
 DECODE_TOUCH_TILES = 4        # decode EARLY & TOUCH: tiles touched before the wait (TOUCH_TILES, `_decode_touch`)
 TABLE_CHUNK_TILES = 64         # LOOP_TABLE_CHUNKS: tiles per chunk on a GPU, at most (the interpreter: 2)
 TABLE_CHUNK_COLS = 128         # ... and table columns per chunk, at most (a vector of block ids in registers)
-PREFETCH_MAX_ROWS = 16         # decode: the register-prefetch loop for groups of at most this many query heads
+FLOAT_CHUNK_MAX_ROWS = 16      # decode: float caches take the table-chunk loop for groups of at most this many heads
 WIDE_PREFILL_SMEM = 200 * 1024    # prefill: the 256 x 64 tile (160 KB at 3 stages) on sm_90+ programs of this much
                                   # shared memory (sm_90, sm_100; not sm_80's 163 KB, where it was never timed)
 WIDE_TWO_STAGE_SMEM = 160 * 1024   # decode of fp32 or > 128 dims: 2 stages where a program has this much shared memory
@@ -940,6 +913,7 @@ MAX_COMBINE_PARTS = 4         # the combine's programs per (request, head) for f
 COMBINE_PART_ELEMENTS = 4096
 PROGRAMS_PER_SM = 4            # decode programs per SM the split count aims at (more: no faster, H100)
 FP8_PROGRAMS_PER_SM = 11       # fp8 caches: the programs of 174 registers an sm_90 SM holds at once
+FLOAT_CHUNK_PROGRAMS_PER_SM = 8   # float caches in the table-chunk loop: 249 registers (sm_90)
 
 
 def table_chunk(bs: int, block_n: int, target: platform.Target) -> tuple[int, int]:
