@@ -851,8 +851,8 @@ def _plan_inputs():
 
 def test_table_chunk_loop_on_one_warp():
     """Every GPU target's decode of at most 128 dims from an fp8 cache, or from a float cache with groups of at most
-    FLOAT_CHUNK_MAX_ROWS heads, takes the table-chunk loop on one warp per program (its tl.gather stays in warp shuffles),
-    over the head groups and dtypes the matrix compiles."""
+    FLOAT_CHUNK_MAX_ROWS heads, takes the table-chunk loop on one warp per program (its tl.gather stays in warp
+    shuffles), over the head groups and dtypes the matrix compiles."""
     k = attention_kernels
     for target, geo, q_dtype in _plan_inputs():
         for kv_fp8 in (True, False):

@@ -230,8 +230,8 @@ def _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
                  D: tl.constexpr, BS: tl.constexpr, X: tl.constexpr, K_STD: tl.constexpr, V_RUN: tl.constexpr,
                  K_GROUPS: tl.constexpr, V_KEYS: tl.constexpr):
     """The loads of `_cache_tile`, as loaded: K as [d group, key, x] (K_STD and K_GROUPS) or [BLOCK_D, N], V as
-    [N, BLOCK_D]. V_KEYS: V is masked by key_ok too
-    (zeros for invalid keys; key_ok must be uniform over each V_RUN run for vector loads)."""
+    [N, BLOCK_D]. V_KEYS: V is masked by key_ok too (zeros for invalid keys; key_ok must be uniform over each V_RUN
+    run for vector loads)."""
     off = (kp % BS).to(tl.int32)
     d_ok = d < D
     if K_STD and K_GROUPS:
@@ -365,9 +365,9 @@ def _cache_loop(q, m_i, l_i, acc, qp, row_ok, t_lo, t_hi, s_hi, scale, slope, p_
                 CHUNK: tl.constexpr, CHUNK_COLS: tl.constexpr, MASK: tl.constexpr, TILE_IDS: tl.constexpr = False):
     """The online softmax over cached-key tiles [t_lo, t_hi) (keys below s_hi). LOOP (module constants):
     LOOP_PIPELINE, Triton's pipeline with each tile's block ids loaded in its own iteration (the pipeline then
-    issues a tile's copies only once its table load has returned); LOOP_TABLE_CHUNKS, the block ids of CHUNK tiles (CHUNK_COLS table columns) loaded before those tiles' loop,
-    in which no load feeds an address, so that Triton's pipeline issues the K/V copies stages ahead. MASK as in
-    `_tile_update`."""
+    issues a tile's copies only once its table load has returned); LOOP_TABLE_CHUNKS, the block ids of CHUNK
+    tiles (CHUNK_COLS table columns) loaded before those tiles' loop, in which no load feeds an address, so that
+    Triton's pipeline issues the K/V copies stages ahead. MASK as in `_tile_update`."""
     n = tl.arange(0, BLOCK_N)
     # TILE_IDS: whole tiles of LOOP_PIPELINE load one table entry per block where a tile spans at most
     # MAX_TILE_BLOCKS blocks (`_tile_block_ids`)
