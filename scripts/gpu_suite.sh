@@ -66,7 +66,11 @@ if part tests || part rest; then
 echo "==== GPU tests: the other files ===="
 # The compile matrix is a CPU-suite check with triton pinned to 3.9 (CI); the GPU image's triton 3.6
 # aborts inside LLVM on some AMD targets, which has nothing to do with the GPU run.
-timeout -k 10 540 python3 -m pytest -q tests -p no:cacheprovider -m "not slow" --durations=10 \
+# In REST_WORKERS pytest-xdist processes where xdist is installed (the GPU image has it): on an H200 the files
+# outside the shards took 169 s in 4 workers (benchmarks/results/2026-11-28_h200_gpu_suite/gpu_tests_rest.log).
+xdist=
+python3 -c "import xdist" 2>/dev/null && xdist="-n ${REST_WORKERS:-4}"
+timeout -k 10 540 python3 -m pytest -q tests -p no:cacheprovider -m "not slow" --durations=10 $xdist \
   --ignore=tests/test_compile_matrix.py $(for file in $SHARDED; do echo "--ignore=tests/test_$file.py"; done) 2>&1 \
   | tee "$OUT/gpu_tests.log"
 rest_rc=$?
