@@ -146,3 +146,22 @@ def test_sm_rate_probe_configs_make_decode_plans():
     for tiles in (chunks, pipeline):
         meta = kernels.decode_constexprs(geo, kernels.Features(), numerics, tiles, 3)
         assert meta["BLOCK_N"] == tiles["BLOCK_N"] and meta["LOOP"] == tiles["loop"] and meta["SPLIT"]
+
+
+def test_register_probe_counts_programs_per_sm():
+    """benchmarks/probe_registers.py: the programs an SM holds, against what ncu reported on an H200 (the head-major
+    fp8 write: 2 warps, 168 registers, 4 KB of shared memory -> 6 programs by registers), and the command's report
+    of one case (in a process without TRITON_INTERPRET, which the compiles need)."""
+    from benchmarks import probe_registers
+
+    assert probe_registers.programs_per_sm(2, 168, 4096, 90) == 6
+    assert probe_registers.programs_per_sm(1, 249, 16576, 90) == 8
+    assert probe_registers.programs_per_sm(8, 64, 200 * 1024, 90) == 1        # shared memory bound
+    assert probe_registers.programs_per_sm(1, 32, 0, 90) == 32                 # the program limit
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.probe_registers", "--filter", "^gather_lens.len32$"],
+                         cwd=pathlib.Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    line, = out.splitlines()
+    registers = int(line.split("regs")[1].split()[0])
+    assert line.startswith("gather_lens.len32") and registers > 0 and "programs/SM" in line, out
