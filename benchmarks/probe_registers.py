@@ -3,11 +3,12 @@
 
 For every compile-matrix case (`torch_dsv4_ops.compile_matrix`: the specialisations the ops launch) of a data-centre
 NVIDIA target (sm_80, sm_90, sm_100): warps, registers a thread, spilled bytes, shared memory, and how many programs
-an SM holds at once by its registers and by its shared memory. A kernel that holds few programs keeps few bytes in flight, which a faster
-memory exposes (benchmarks/NOTES.md, "The first H200", items 2 and 6: the paged decode's 242-register loop and the
-head-major fp8 write's 168 registers); this finds such kernels before a GPU run. The numbers are the installed
-Triton's (the paged bf16 decode takes 249 registers under Triton 3.6, 222 under 3.9). Estimates: registers are
-counted in whole allocations of 8 a thread, 1 KB of shared memory a program is the driver's.
+an SM holds at once by its registers and by its shared memory. A kernel that holds few programs keeps few bytes in
+flight, which a faster memory exposes (benchmarks/NOTES.md, "The first H200", items 2 and 6: the paged decode's
+242-register loop and the head-major fp8 write's 168 registers); this finds such kernels before a GPU run. The
+numbers are the installed Triton's (the paged bf16 decode takes 249 registers under Triton 3.6, 222 under 3.9).
+Estimates: registers are counted in whole allocations of 8 a thread, 1 KB of shared memory a program is the
+driver's.
 """
 from __future__ import annotations
 
