@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from torch_dsv4_ops.kernels import attention as kernels
+from torch_dsv4_ops.kernels import attention as kernels, early
 from torch_dsv4_ops.ops import attention as ops
 
 from . import bench_attention as bench
@@ -114,8 +114,6 @@ def _pipeline_tiles(original_decode, block_n, warps, stages, per_sm):
 
 def _chunk_tiles(original_decode, block_n, stages, per_sm, k_groups, touch, parts):
     """`decode_tiles` with the table-chunk loop on one warp, for float caches too."""
-    from torch_dsv4_ops.kernels import early
-
     def tiles(geo, q_dtype, kv_fp8, target):
         t = original_decode(geo, q_dtype, kv_fp8, target)
         return dict(t, BLOCK_N=block_n, num_warps=1, num_stages=stages, per_sm=per_sm, at_most=True,

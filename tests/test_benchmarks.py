@@ -160,7 +160,7 @@ def test_register_probe_counts_programs_per_sm():
     assert probe_registers.programs_per_sm(1, 32, 0, 90) == 32                 # the program limit
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "benchmarks.probe_registers", "--filter", "^gather_lens.len32$"],
-                         cwd=pathlib.Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                         cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300, check=True).stdout
     line, = out.splitlines()
     registers = int(line.split("regs")[1].split()[0])

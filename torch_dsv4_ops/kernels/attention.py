@@ -239,7 +239,6 @@ def _cache_loads(kc_ptr, vc_ptr, kp, key_ok, blk, kvh, d, num_blocks,
         # one d group (x-element pieces of consecutive keys are adjacent: whole 32-byte sectors per request;
         # the decode kernel's choice: the prefill's larger dot tiles measured slower with it)
         BLOCK_D: tl.constexpr = d.shape[0]
-        BLOCK_N: tl.constexpr = kp.shape[0]
         dg = tl.arange(0, BLOCK_D // X)
         dx = tl.arange(0, X)
         kt = tl.load(kc_ptr + (blk * kc_s0 + kvh * kc_s1 + off * X)[None, :, None] + (dg * kc_s2)[:, None, None]
