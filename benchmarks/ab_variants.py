@@ -1,7 +1,10 @@
 """A/B of kernel-module variants in one process (GPU): `python -m benchmarks.ab_variants FAMILY [--rounds N] VARIANT...`
 
-FAMILY is `topk` (the top-k benchmark's four cases), `insert` (the indexer K insert cases) or `sparse_mla` (the
-sparse MLA benchmark's decode and prefill cases through the sm_90 Gluon kernels, `kernels/sparse_mla_gluon.py`).
+FAMILY is `topk` (the top-k benchmark's four cases), `insert` (the indexer K insert cases), `k_cache` (the
+fp8_ds_mla K-cache insert at T = 65536 and the whole-sequence gather), `indexer_q` (the indexer q quantisation at
+T = 65536), `cache` (the flash-cache writes into head-major caches at T = 65536, prefill runs and random slots, bf16
+and fp8) or `sparse_mla` (the sparse MLA benchmark's decode and prefill cases through the sm_90 Gluon kernels,
+`kernels/sparse_mla_gluon.py`).
 Each VARIANT is `LABEL=PATH[:NAME=VALUE,...]`: the kernel module's source at PATH (e.g. the current
 `torch_dsv4_ops/kernels/topk.py`, or an older version saved with `git show REV:torch_dsv4_ops/kernels/topk.py >
 old.py`), loaded as its own module inside the package (so its relative imports resolve), with module constants
@@ -21,10 +24,11 @@ import tempfile
 import torch
 import triton.language as tl
 
-from torch_dsv4_ops.ops import indexer as indexer_ops, sparse_mla as sparse_mla_ops, topk as topk_ops
+from torch_dsv4_ops.ops import cache as cache_ops, indexer as indexer_ops, indexer_q as indexer_q_ops, \
+    k_cache as k_cache_ops, sparse_mla as sparse_mla_ops, topk as topk_ops
 from torch_dsv4_ops.ops._plans import PlanCache
 
-from . import bench_indexer, bench_sparse_mla, bench_topk, harness
+from . import bench_cache, bench_indexer, bench_indexer_q, bench_k_cache, bench_sparse_mla, bench_topk, harness
 
 
 def load_kernel_source(stem: str, source: str, directory: str):
@@ -71,6 +75,23 @@ def _insert_cases(device) -> list:
     return [(s, bench_indexer.build_insert(s, device)) for s in specs]
 
 
+def _cache_cases(device) -> list:
+    specs = [bench_cache.Spec(bench_cache.HEADLINE_T, kv_cache_dtype=kv, layout="head_major", runs=runs)
+             for runs in (True, False) for kv in ("auto", "fp8")]
+    return [(s, bench_cache.build(s, device)) for s in specs]
+
+
+def _k_cache_cases(device) -> list:
+    k = bench_k_cache
+    specs = [k.Spec("insert", T=k.HEADLINE_T), k.Spec("gather", R=k.GATHER_WHOLE[0], L=k.GATHER_WHOLE[1])]
+    return [(s, (k.build_insert if s.op == "insert" else k.build_gather)(s, device)) for s in specs]
+
+
+def _indexer_q_cases(device) -> list:
+    s = bench_indexer_q.Spec("q", T=bench_indexer_q.HEADLINE_T)
+    return [(s, bench_indexer_q.build_q(s, device))]
+
+
 def _sparse_mla_cases(device) -> list:
     specs = [bench_sparse_mla.Spec(kind, batch) for kind, batch in (("c4a", 256), ("swa", 256), ("c4a", 64),
                                                                        ("c4a", 8))]
@@ -81,6 +102,9 @@ def _sparse_mla_cases(device) -> list:
 # family: (op module, its attribute that holds the kernel module swapped, its plan caches' names, the cases)
 FAMILIES = {"topk": (topk_ops, "kernels", ("_PLANS",), _topk_cases),
             "insert": (indexer_ops, "kernels", ("_INSERT_PLANS",), _insert_cases),
+            "cache": (cache_ops, "kernels", ("_FLASH_PLANS", "_DIFFKV_PLANS"), _cache_cases),
+            "indexer_q": (indexer_q_ops, "kernels", ("_Q_PLANS",), _indexer_q_cases),
+            "k_cache": (k_cache_ops, "kernels", ("_INSERT_PLANS", "_GATHER_PLANS"), _k_cache_cases),
             "sparse_mla": (sparse_mla_ops, "sparse_mla_gluon", ("_DECODE_PLANS", "_PREFILL_PLANS"), _sparse_mla_cases)}
 
 

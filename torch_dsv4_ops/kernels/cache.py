@@ -168,7 +168,7 @@ def head_major_group_kernel(
     kc_blk, kc_off, kc_h, kc_dx, kc_di,
     vc_blk, vc_off, vc_h, vc_dx, vc_di,
     DK: tl.constexpr, DV: tl.constexpr, XK: tl.constexpr, BS: tl.constexpr, TOK: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PACKED: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PACKED: tl.constexpr, SUB: tl.constexpr,
     IN_FP8: tl.constexpr, OUT_KIND: tl.constexpr, OUT_FP8: tl.constexpr, SCALED: tl.constexpr,
     DIV64: tl.constexpr, SW_IN: tl.constexpr, SW_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -178,7 +178,8 @@ def head_major_group_kernel(
     x-element pieces), so one token's writes are partial sectors. Consecutive tokens of one block are
     adjacent instead: when the group's slots are one run inside one block starting at a multiple of TOK
     slots (a prefill), V rows of TOK tokens and K rows of TOK*x elements are stored as contiguous,
-    aligned runs (vector stores, full sectors); otherwise every element goes to its own slot's address."""
+    aligned runs (vector stores, full sectors); otherwise the group goes SUB tokens at a time, each
+    element to its own slot's address."""
     g = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     t = tl.arange(0, TOK)
@@ -206,34 +207,51 @@ def head_major_group_kernel(
     slot = tl.where(valid, slot, 0)
     blk = slot // BS
     off = slot % BS
-    # rearranged before the conversion: the transposes move input-width elements, not fp8 bytes
-    k3 = tl.permute(tl.reshape(k, (TOK, BLOCK_DK // XK, XK)), (1, 0, 2))                       # [DX, TOK, XK]
-    k3 = _to_cache(k3, k_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT)
-    v = _to_cache(tl.trans(v), v_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT)  # [BLOCK_DV, TOK]
     dx = tl.arange(0, BLOCK_DK // XK)
-    di = tl.arange(0, XK)
-    k_in = (dx[:, None, None] * XK + di[None, None, :]) < DK
     # the group is one run inside one block, at a multiple of TOK slots (every run of a whole block when
     # BS == TOK): slot[i] = slot[0] + i for every i, all valid. Its V rows of TOK elements then start
-    # aligned and leave as vector stores; any other group stores element by element.
+    # aligned and leave as vector stores.
     s0 = tl.sum(tl.where(t == 0, slot, 0), axis=0)
     shift = slot - t
     run = (tl.sum(valid.to(tl.int32), axis=0) == TOK) & (tl.min(shift, axis=0) == s0) & \
         (tl.max(shift, axis=0) == s0) & (s0 % BS + TOK <= BS) & (s0 % TOK == 0)
     if PACKED and run:
+        # rearranged before the conversion: the transposes move input-width elements, not fp8 bytes
+        k3 = tl.permute(tl.reshape(k, (TOK, BLOCK_DK // XK, XK)), (1, 0, 2))                   # [DX, TOK, XK]
+        k2 = tl.reshape(_to_cache(k3, k_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT),
+                        (BLOCK_DK // XK, TOK * XK))
+        v2 = _to_cache(tl.trans(v), v_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT)  # [DV, TOK]
         blk0 = s0 // BS
         off0 = (s0 % BS // TOK) * TOK       # == s0 % BS; written so that the compiler sees it divisible by TOK
         j = tl.arange(0, TOK * XK)
-        k2 = tl.reshape(k3, (BLOCK_DK // XK, TOK * XK))
         tl.store(kc_ptr + blk0 * kc_blk + h * kc_h + dx[:, None] * kc_dx + off0 * XK + j[None, :], k2,
                  mask=((dx[:, None] * XK + j[None, :] % XK) < DK))
-        tl.store(vc_ptr + blk0 * vc_blk + h * vc_h + dv[:, None] * vc_dx + (off0 + t)[None, :], v,
+        tl.store(vc_ptr + blk0 * vc_blk + h * vc_h + dv[:, None] * vc_dx + (off0 + t)[None, :], v2,
                  mask=(dv < DV)[:, None])
     else:
-        tl.store(kc_ptr + (blk * kc_blk + off * kc_off)[None, :, None] + h * kc_h + dx[:, None, None] * kc_dx
-                 + di[None, None, :] * kc_di, k3, mask=k_in & valid[None, :, None])
-        tl.store(vc_ptr + (blk * vc_blk + off * vc_off)[None, :] + h * vc_h + dv[:, None] * vc_dx, v,
-                 mask=(dv < DV)[:, None] & valid[None, :])
+        # SUB tokens at a time, their rows read again (from L1/L2): 64-bit addresses for all TOK tokens would
+        # also bound the run branch's programs (ptxas, sm_90, bf16 into fp8: 168 registers -> 96)
+        u = tl.arange(0, SUB)
+        di = tl.arange(0, XK)
+        k_in = (dx[:, None, None] * XK + di[None, None, :]) < DK
+        for c in range(TOK // SUB):
+            tok_c = g * TOK + c * SUB + u
+            slot_c = tl.load(slot_ptr + tok_c * slot_stride, mask=tok_c < T, other=-1).to(tl.int64)
+            ok = (tok_c < T) & (slot_c >= 0) & (slot_c < num_slots)
+            slot_c = tl.where(ok, slot_c, 0)
+            k_sub = tl.load(key_ptr + tok_c[:, None] * k_st + h * k_sh + dk[None, :] * k_sd,
+                            mask=ok[:, None] & (dk < DK)[None, :])
+            v_sub = tl.load(value_ptr + tok_c[:, None] * v_st + h * v_sh + dv[None, :] * v_sd,
+                            mask=ok[:, None] & (dv < DV)[None, :])
+            k_sub = tl.permute(tl.reshape(k_sub, (SUB, BLOCK_DK // XK, XK)), (1, 0, 2))           # [DX, SUB, XK]
+            k_sub = _to_cache(k_sub, k_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT)
+            v_sub = _to_cache(tl.trans(v_sub), v_scale, IN_FP8, OUT_KIND, OUT_FP8, SCALED, DIV64, SW_IN, SW_OUT)
+            blk_c = slot_c // BS
+            off_c = slot_c % BS
+            tl.store(kc_ptr + (blk_c * kc_blk + off_c * kc_off)[None, :, None] + h * kc_h
+                     + dx[:, None, None] * kc_dx + di[None, None, :] * kc_di, k_sub, mask=k_in & ok[None, :, None])
+            tl.store(vc_ptr + (blk_c * vc_blk + off_c * vc_off)[None, :] + h * vc_h + dv[:, None] * vc_dx, v_sub,
+                     mask=(dv < DV)[:, None] & ok[None, :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +302,7 @@ def constexprs(h, dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_size, 
 
 
 GROUP_TOKENS = 16          # head-major caches: consecutive input tokens one program writes (one head)
+FALLBACK_TOKENS = 8        # ... of which this many at a time when they are not one run (H200, benchmarks/NOTES.md)
 GROUP_MIN_TOKENS = 256     # ... from this many tokens on (prefill sizes); fewer go one token per program
 # ... on this many warps, by the cache's K piece width x (16 B / element size; measured on an H100 with
 # prefill-pattern writes, benchmarks/NOTES.md): fp8 caches 2, 16-bit caches 1; other caches by tile size
@@ -305,8 +324,8 @@ def group_constexprs(dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_siz
     block_dv = triton.next_power_of_2(max(dv, 1))
     packed = kgeo.strides[1] == x and kgeo.strides[4] == 1 and vgeo.strides[1] == 1
     return dict(DK=dk, DV=dv, XK=x, BS=block_size, TOK=GROUP_TOKENS, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-                PACKED=packed, IN_FP8=codec.in_fp8, OUT_KIND=codec.out_kind, OUT_FP8=codec.out_fp8,
-                SCALED=codec.scaled, DIV64=codec.div64, SW_IN=codec.sw_in, SW_OUT=codec.sw_out,
+                PACKED=packed, SUB=FALLBACK_TOKENS, IN_FP8=codec.in_fp8, OUT_KIND=codec.out_kind,
+                OUT_FP8=codec.out_fp8, SCALED=codec.scaled, DIV64=codec.div64, SW_IN=codec.sw_in, SW_OUT=codec.sw_out,
                 PDL=platform.supports_pdl(target),
                 num_warps=group_warps(x, GROUP_TOKENS * max(block_dk, block_dv), target))
 
