@@ -1,10 +1,10 @@
 """A/B of kernel-module variants in one process (GPU): `python -m benchmarks.ab_variants FAMILY [--rounds N] VARIANT...`
 
 FAMILY is `topk` (the top-k benchmark's four cases), `insert` (the indexer K insert cases), `k_cache` (the
-fp8_ds_mla K-cache insert at T = 65536 and the whole-sequence gather), `indexer_q` (the indexer q quantisation at
-T = 65536), `cache` (the flash-cache writes into head-major caches at T = 65536, prefill runs and random slots, bf16
-and fp8) or `sparse_mla` (the sparse MLA benchmark's decode and prefill cases through the sm_90 Gluon kernels,
-`kernels/sparse_mla_gluon.py`).
+fp8_ds_mla K-cache insert at T = 65536 and the whole-sequence gathers), `indexer_q` (the indexer q quantisation at
+T = 65536), `sparse_index` (the index builders' three headline cases), `cache` (the flash-cache writes into
+head-major caches at T = 65536, prefill runs and random slots, bf16 and fp8) or `sparse_mla` (the sparse MLA
+benchmark's decode and prefill cases through the sm_90 Gluon kernels, `kernels/sparse_mla_gluon.py`).
 Each VARIANT is `LABEL=PATH[:NAME=VALUE,...]`: the kernel module's source at PATH (e.g. the current
 `torch_dsv4_ops/kernels/topk.py`, or an older version saved with `git show REV:torch_dsv4_ops/kernels/topk.py >
 old.py`), loaded as its own module inside the package (so its relative imports resolve), with module constants
@@ -25,10 +25,11 @@ import torch
 import triton.language as tl
 
 from torch_dsv4_ops.ops import cache as cache_ops, indexer as indexer_ops, indexer_q as indexer_q_ops, \
-    k_cache as k_cache_ops, sparse_mla as sparse_mla_ops, topk as topk_ops
+    k_cache as k_cache_ops, sparse_index as sparse_index_ops, sparse_mla as sparse_mla_ops, topk as topk_ops
 from torch_dsv4_ops.ops._plans import PlanCache
 
-from . import bench_cache, bench_indexer, bench_indexer_q, bench_k_cache, bench_sparse_mla, bench_topk, harness
+from . import (bench_cache, bench_indexer, bench_indexer_q, bench_k_cache, bench_sparse_index, bench_sparse_mla,
+               bench_topk, harness)
 
 
 def load_kernel_source(stem: str, source: str, directory: str):
@@ -83,13 +84,18 @@ def _cache_cases(device) -> list:
 
 def _k_cache_cases(device) -> list:
     k = bench_k_cache
-    specs = [k.Spec("insert", T=k.HEADLINE_T), k.Spec("gather", R=k.GATHER_WHOLE[0], L=k.GATHER_WHOLE[1])]
+    specs = [k.Spec("insert", T=k.HEADLINE_T)] + [k.Spec("gather", R=k.GATHER_WHOLE[0], L=k.GATHER_WHOLE[1],
+                                                          use_fnuz=fnuz) for fnuz in (False, True)]
     return [(s, (k.build_insert if s.op == "insert" else k.build_gather)(s, device)) for s in specs]
 
 
 def _indexer_q_cases(device) -> list:
     s = bench_indexer_q.Spec("q", T=bench_indexer_q.HEADLINE_T)
     return [(s, bench_indexer_q.build_q(s, device))]
+
+
+def _sparse_index_cases(device) -> list:
+    return [(s, bench_sparse_index.build(s, device)) for s in bench_sparse_index.headline_specs()]
 
 
 def _sparse_mla_cases(device) -> list:
@@ -104,6 +110,7 @@ FAMILIES = {"topk": (topk_ops, "kernels", ("_PLANS",), _topk_cases),
             "insert": (indexer_ops, "kernels", ("_INSERT_PLANS",), _insert_cases),
             "cache": (cache_ops, "kernels", ("_FLASH_PLANS", "_DIFFKV_PLANS"), _cache_cases),
             "indexer_q": (indexer_q_ops, "kernels", ("_Q_PLANS",), _indexer_q_cases),
+            "sparse_index": (sparse_index_ops, "kernels", ("_PLANS",), _sparse_index_cases),
             "k_cache": (k_cache_ops, "kernels", ("_INSERT_PLANS", "_GATHER_PLANS"), _k_cache_cases),
             "sparse_mla": (sparse_mla_ops, "sparse_mla_gluon", ("_DECODE_PLANS", "_PREFILL_PLANS"), _sparse_mla_cases)}
 

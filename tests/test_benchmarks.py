@@ -165,3 +165,18 @@ def test_register_probe_counts_programs_per_sm():
     line, = out.splitlines()
     registers = int(line.split("regs")[1].split()[0])
     assert line.startswith("gather_lens.len32") and registers > 0 and "programs/SM" in line, out
+
+
+def test_attention_parts_probe_fits_its_line():
+    """benchmarks/probe_attention_parts.py: the least-squares line through (keys, us) points gives back the fixed
+    cost and the per-key time of points on a line, and the cases it times build on the CPU."""
+    import torch
+
+    from benchmarks import bench_attention, probe_attention_parts
+
+    intercept, slope = probe_attention_parts.fit([(16384, 10.0 + 16384e-3), (32768, 10.0 + 32768e-3),
+                                                  (65536, 10.0 + 65536e-3)])
+    assert abs(intercept - 10.0) < 1e-9 and abs(slope - 1e-3) < 1e-12
+    assert probe_attention_parts.FIT_FROM in probe_attention_parts.LONG_CONTEXTS
+    spec = bench_attention.Spec(1, min(probe_attention_parts.LONG_CONTEXTS), True)
+    assert bench_attention.build(spec, torch.device("cpu")).check() == "ok"

@@ -477,6 +477,28 @@ def test_gather_hostile(device):
     assert_bitwise_equal(got[3], out[3], "row past R")
 
 
+def test_gather_programs_walk_several_steps(device, monkeypatch):
+    """Wide outputs (more than NARROW_WIDTH rows: BLOCK_T rows a step) on at most 2 programs a request, so that each
+    program walks many steps with the next step's table entries loaded ahead of its stores: an invalid table entry
+    mid-walk, gather lengths that end inside a step, an offset; bit-exact with the reference (`GatherCase.run`)."""
+    from torch_dsv4_ops.ops import k_cache as ops_k_cache
+
+    monkeypatch.setattr(kernels, "MAX_WORKERS", 2)
+    ops_k_cache._GATHER_PLANS.clear()
+    try:
+        width = kernels.NARROW_WIDTH + 37
+        target = platform.target_for(torch.device(device))
+        assert kernels.gather_workers(width, target) == 2
+        assert width > 4 * kernels.gather_block_t(width, target)
+        case = GatherCase([width + 20, 301], bs=16, seed=9)
+        table = case.table.clone()
+        table[0, 7] = -1                 # positions 112..127 of request 0: zero rows
+        got = case.run(device, _poisoned_out(2, width), [width - 3, 301], 3, table=table)
+        assert_bitwise_equal(got[0, 3 + 112 - 23], torch.zeros(layout.HEAD_DIM, dtype=torch.bfloat16), "bad entry")
+    finally:
+        ops_k_cache._GATHER_PLANS.clear()
+
+
 def test_gather_table_width_zero_and_empty(device):
     case = GatherCase([3, 2], bs=2, seed=4)
     out = _poisoned_out(2, 4)

@@ -33,7 +33,7 @@ BLOCK_Q = triton.next_power_of_2(layout.NUM_QUANT_BLOCKS)   # 8 rows of the NoPE
 # insert: (from this many tokens on, tokens per program), largest first; one token per program below (latency)
 INSERT_TILES = ((8192, 4), (1024, 2))
 INSERT_MAX_WARPS = 2
-BLOCK_T = 8                  # gather: tokens per loop step of one program for wide outputs
+BLOCK_T = 16                 # gather: tokens per loop step of one program for wide outputs (H200: 8 -> 16, NOTES.md)
 BLOCK_T_NARROW = 2           # ... and for outputs of at most NARROW_WIDTH rows (decode windows)
 BLOCK_T_EARLY = 8            # ... and for those where the kernel works before gdc_wait (gather_early)
 NARROW_WIDTH = 512

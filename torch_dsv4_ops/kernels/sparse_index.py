@@ -624,7 +624,7 @@ LAUNCHERS = {"global": GLOBAL_LAUNCHER, "combine": COMBINE_LAUNCHER, "flashinfer
 PER_THREAD = {"global": 4, "combine": 16, "flashinfer": 4, "c128a": 4, "fill": 4}
 ONE_WARP_ROWS = {"global": 2048}
 TWO_WARP_ROWS = {"flashinfer": 2048}
-ROW_PROGRAMS_PER_SM = 32    # combine: programs per SM; more rows than that loop, one row's loads ahead
+ROW_PROGRAMS_PER_SM = 16    # combine: programs per SM; more rows than that loop, one row's loads ahead (H200, NOTES.md)
 FLASHINFER_TOUCH_ROWS = 2048   # flashinfer: launches of at most this many rows touch their inputs early (flashinfer_early)
 # c128a: launches of at most this many rows read table row t's first tile before token_to_req[t] arrives
 # (one round of loads fewer when t is request t's token; a wasted tile read otherwise). Larger launches are
