@@ -2,8 +2,9 @@
 
 Two diagnostics (CUDA-graph replay over rotated inputs, each case checked against the float64 reference first):
 - one request decoding over contexts of 16 .. 65536 keys (bf16 and fp8 caches): the time against the context, with
-  the line through the longest contexts (its slope as GB/s, its intercept as the call's fixed cost), and the best
-  share of the read ceiling a call of that fixed cost can reach at 32768 keys;
+  the line through the longest contexts (its slope as GB/s, its intercept as the call's fixed cost), the best
+  share of the read ceiling a call of that fixed cost can reach at 32768 keys, and what a plain read of the same
+  bytes (`torch.sum` over rotated buffers, in a graph) reaches;
 - the mixed step of the benchmark next to its two parts timed alone (its decodes, its prefills), since the two
   kernels cannot share an SM and their times add up.
 Not a benchmark: `NOTES.md` cites its output.
@@ -15,7 +16,7 @@ import argparse
 import torch
 
 from . import bench_attention as bench
-from .harness import read_matmul_ceilings, time_graph
+from .harness import Workload, read_matmul_ceilings, rotation_sets, time_graph
 
 LONG_CONTEXTS = (16, 8192, 16384, 32768, 65536)
 FIT_FROM = 16384          # the line through the contexts from here on (each doubling adds only its bytes)
@@ -25,6 +26,14 @@ def _time(spec: bench.Spec, device, reps: int) -> tuple[float, str]:
     w = bench.build(spec, device)
     check = w.check()
     return min(time_graph(w, reps) for _ in range(2)), check
+
+
+def plain_read_us(nbytes: int, device, reps: int) -> float:
+    """Graph-replay time of `torch.sum` over `nbytes` of fp32, rotated through enough buffers to leave L2."""
+    n = rotation_sets(nbytes, device)
+    bufs = [torch.rand(nbytes // 4, device=device) for _ in range(n)]
+    total = torch.empty((), device=device)
+    return time_graph(Workload(lambda i: torch.sum(bufs[i], out=total), n, nbytes), reps)
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -63,6 +72,10 @@ def main() -> int:
         print(f"  fit over >= {FIT_FROM} keys: fixed {intercept:.2f} us + {per_key / slope / 1e3:.1f} GB/s; "
               f"at 32768 keys the transfer at the ceiling is {transfer:.2f} us, so this fixed cost allows at most "
               f"{transfer / (transfer + intercept) * 100:.1f} % of read")
+        nbytes = bench.Spec(1, 32768, fp8).bytes_per_call()
+        plain = plain_read_us(nbytes, device, args.reps)
+        print(f"  a plain read of the same {nbytes / 1e6:.1f} MB (torch.sum): {plain:.2f} us = "
+              f"{nbytes / plain / 1e3 / ceiling * 100:.1f} % of read", flush=True)
     mixed = bench.Spec(**bench.MIXED)
     parts = {"decodes alone": bench.Spec(mixed.decodes, mixed.decode_ctx),
              "prefills alone": bench.Spec(0, 0, prefills=mixed.prefills, new=mixed.new, cached=mixed.cached),

@@ -323,6 +323,8 @@ def group_constexprs(dk, dv, kgeo: CacheGeometry, vgeo: CacheGeometry, block_siz
     block_dk = max(triton.next_power_of_2(max(dk, 1)), x)
     block_dv = triton.next_power_of_2(max(dv, 1))
     packed = kgeo.strides[1] == x and kgeo.strides[4] == 1 and vgeo.strides[1] == 1
+    if GROUP_TOKENS % FALLBACK_TOKENS:
+        raise ValueError(f"FALLBACK_TOKENS ({FALLBACK_TOKENS}) must divide GROUP_TOKENS ({GROUP_TOKENS})")
     return dict(DK=dk, DV=dv, XK=x, BS=block_size, TOK=GROUP_TOKENS, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
                 PACKED=packed, SUB=FALLBACK_TOKENS, IN_FP8=codec.in_fp8, OUT_KIND=codec.out_kind,
                 OUT_FP8=codec.out_fp8, SCALED=codec.scaled, DIV64=codec.div64, SW_IN=codec.sw_in, SW_OUT=codec.sw_out,
