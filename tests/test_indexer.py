@@ -476,6 +476,25 @@ def test_gather_exact(device, impl, name):
     assert 5 <= zero_rows < dk.shape[0] - 5
 
 
+@pytest.mark.parametrize("name", GATHER_CASES[:2])
+def test_gather_one_program_walks_every_step(device, monkeypatch, name):
+    """MAX_WORKERS = 1: each request's one program walks all its rows, GATHER_ROWS a step (the loop past its first
+    step, which only calls of more than GATHER_ROWS * MAX_WORKERS rows take otherwise); bit-exact with the oracle
+    over both whole allocations (`GatherCase.run`)."""
+    from torch_dsv4_ops.ops import indexer as ops_indexer
+
+    monkeypatch.setattr(kernels, "MAX_WORKERS", 1)
+    ops_indexer._GATHER_PLANS.clear()
+    try:
+        case = gather_case(name)
+        assert max(b - a for a, b in zip(case.cu, case.cu[1:])) > 2 * kernels.GATHER_ROWS     # requests of 3+ steps
+        assert kernels.gather_workers(case.rows) == 1
+        dk, ds = case.run(device, "kernel")
+        case.check_written_rows(dk, ds)
+    finally:
+        ops_indexer._GATHER_PLANS.clear()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gather_empty_and_degenerate(device, impl):
     """B = 0 and Nk = 0: nothing written; a table of width 0, and one with no rows: zeros."""

@@ -451,6 +451,7 @@ SEQ_CASES = {
     "uint8-row16": (torch.uint8, (16,), [5, 5], 6, "contiguous", 255),
     "bool-row4": (torch.bool, (4,), [2, 3], 3, "contiguous", True),
     "e4m3-row32-nan-pad": (torch.float8_e4m3fn, (32,), [3, 1], 2, "contiguous", math.nan),
+    "fp32-row600-two-column-steps": (torch.float32, (600,), [5, 1, 4], 5, "contiguous", -1.0),
 }
 
 
@@ -502,6 +503,26 @@ def test_pack_unpack_exact(device, impl, case):
             assert_bitwise_equal(bits(r.cpu()).reshape(total, row), exp_u, f"{case} unpack total={total} {what}")
         if dtype != torch.bool:
             assert as_bytes(ub.cpu()[total:]).eq(0xA5).all(), "rows past total untouched"
+
+
+def _steps_past_one(case: str) -> bool:
+    dtype, shape, _, max_len, _, _ = SEQ_CASES[case]
+    return max_len > kernels.seq_tile(math.prod(shape), dtype.itemsize)[0]
+
+
+@pytest.mark.parametrize("case", [c for c in SEQ_CASES if _steps_past_one(c)])
+def test_pack_unpack_one_program_walks_every_step(device, monkeypatch, case):
+    """PACK_MAX_WORKERS = 1: each request's one program walks all its rows a step at a time (the loop past its first
+    step, which only calls longer than a step per program take otherwise), narrow and wide rows (the wide row also
+    takes two column steps); the exact test's checks."""
+    monkeypatch.setattr(kernels, "PACK_MAX_WORKERS", 1)
+    ops._PACK_PLANS.clear()
+    ops._UNPACK_PLANS.clear()
+    try:
+        test_pack_unpack_exact(device, "kernel", case)
+    finally:
+        ops._PACK_PLANS.clear()
+        ops._UNPACK_PLANS.clear()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
