@@ -321,7 +321,13 @@ def assert_same(k, r, what):
 def test_random_global(device, kind, int64_table, bs):
     b = make_batch(kind, 1, int64_table=int64_table)
     b["bs"] = bs
-    T, K = b["T"], 6
+    global_matches_oracle(device, b, 6)
+
+
+def global_matches_oracle(device, b, K):
+    """compute_global_topk_indices_and_lens over random top-k rows of K entries of batch b: the kernel equal to the
+    reference and both to the oracle."""
+    T = b["T"]
     topk = torch.randint(-2, 12 * 4 + 6, (T, K), generator=b["g"], dtype=torch.int32)
     t2r, valid = torch.tensor(b["t2r"] + [0, 0], dtype=torch.int32), torch.tensor(b["valid"] + [True, True])
 
@@ -527,6 +533,12 @@ def test_random_flashinfer(device, kind, variant):
                            with_lens=variant == "global_lens_span")
     if variant == "shared_table":
         args = args[:9] + (None, b["bs"]) + args[11:]
+    flashinfer_matches_oracle(device, args)
+
+
+def flashinfer_matches_oracle(device, args):
+    """build_flashinfer_mixed_sparse_indices(*args) into fresh outputs and into out buffers with a spare row,
+    under the kernel and the reference: equal to each other and to the oracle, the spare row untouched."""
     WSWA_HINT[0] = args[0].shape[1]
     rows = args[0].shape[0] + args[3].shape[0]
 
@@ -578,6 +590,12 @@ def test_flashinfer_many_requests(device, R):
 @pytest.mark.parametrize("mct", [8192, 5])
 @pytest.mark.parametrize("bs", [4, 3, 32])      # table runs per tile row (4), per-position lookups (3, 32 > tile)
 def test_random_c128a(device, kind, mct, bs):
+    c128a_matches_oracle(device, kind, mct, bs, (9, 11))
+
+
+def c128a_matches_oracle(device, kind, mct, bs, widths):
+    """build_c128a_topk_metadata over a random batch into 3-filled buffers of `widths` (decode, prefill) columns:
+    the kernel equal to the reference and both to the oracle."""
     b = make_batch(kind, 4, ratio=2)
     b["bs"] = bs
     T = b["T"]
@@ -591,9 +609,9 @@ def test_random_c128a(device, kind, mct, bs):
         slots[0] = -5
 
     def fn(dev):
-        bufs = (torch.full((Td + 1, 9), 3, dtype=torch.int32, device=dev),
+        bufs = (torch.full((Td + 1, widths[0]), 3, dtype=torch.int32, device=dev),
                 torch.full((Td + 1,), 3, dtype=torch.int32, device=dev),
-                torch.full((T - Td + 1, 11), 3, dtype=torch.int32, device=dev))
+                torch.full((T - Td + 1, widths[1]), 3, dtype=torch.int32, device=dev))
         d.build_c128a_topk_metadata(positions.to(dev), 2, Td, t2r.to(dev), b["bt"].to(dev), b["bs"], slots.to(dev),
                                     *bufs, mct)
         return bufs
@@ -601,26 +619,60 @@ def test_random_c128a(device, kind, mct, bs):
     k, r = run_both(device, fn)
     assert_same(k, r, "c128a")
     expected = o_c128a(positions.tolist(), 2, Td, t2r.tolist(), b["bt"].tolist(), b["bs"], slots.tolist(),
-                       [[3] * 9] * (Td + 1), [3] * (Td + 1), [[3] * 11] * (T - Td + 1), mct)
+                       [[3] * widths[0]] * (Td + 1), [3] * (Td + 1), [[3] * widths[1]] * (T - Td + 1), mct)
     assert [L(x) for x in r] == list(expected)
 
 
 @pytest.mark.parametrize("T", [0, 1, 6])
 def test_random_fill_short(device, T):
+    fill_matches_oracle(device, T, 9)
+
+
+def fill_matches_oracle(device, T, topk):
+    """fill_short_context_topk_indices over T random positions into columns 2 .. topk + 2 of a random buffer of
+    topk + 3 columns: the kernel equal to the reference and both to the oracle, the other columns untouched."""
     g = torch.Generator().manual_seed(T)
     positions = torch.randint(-5, 40, (T,), generator=g)
-    base = torch.randint(-9, 9, (T + 2, 12), generator=g, dtype=torch.int32)
+    base = torch.randint(-9, 9, (T + 2, topk + 3), generator=g, dtype=torch.int32)
 
     def fn(dev):
         t = base.clone().to(dev)
-        d.fill_short_context_topk_indices(t[:, 2:], positions.to(dev), 9, 4)
+        d.fill_short_context_topk_indices(t[:, 2:], positions.to(dev), topk, 4)
         return (t,)
 
     k, r = run_both(device, fn)
     assert_same(k, r, "fill")
     expected = [row[:2] + o for row, o in zip(base.tolist(), o_fill([r[2:] for r in base.tolist()], positions.tolist(),
-                                                                    9, 4))]
+                                                                    topk, 4))]
     assert L(r[0]) == expected
+
+
+@pytest.fixture
+def narrow_tiles(monkeypatch):
+    """Column tiles capped at MIN_BLOCK columns, so that rows wider than that walk every kernel's column loops."""
+    from torch_dsv4_ops.ops import sparse_index as ops
+
+    monkeypatch.setattr(kernels, "MAX_BLOCK", kernels.MIN_BLOCK)
+    ops._PLANS.clear()
+    yield
+    ops._PLANS.clear()
+
+
+@pytest.mark.parametrize("builder", ["global", "combine", "flashinfer", "c128a", "fill"])
+def test_narrow_tiles_walk_every_column_loop(device, narrow_tiles, builder):
+    """Each builder with rows of 2-3 tiles (40-48 columns over 16-column tiles): the loops past a row's first tile,
+    which only rows wider than MAX_BLOCK (1024) columns take otherwise."""
+    b = make_batch("mixed", 11)
+    if builder == "global":
+        global_matches_oracle(device, b, 40)
+    elif builder == "combine":        # ratio 1: top-k parts of up to 40 columns
+        combine_matches_oracle(device, combine_case(make_batch("mixed", 11, ratio=1), topk=40), "combine, narrow tiles")
+    elif builder == "flashinfer":
+        flashinfer_matches_oracle(device, flashinfer_case(b, topk=40, wswa=40))
+    elif builder == "c128a":
+        c128a_matches_oracle(device, "mixed", 8192, 4, (40, 44))
+    else:
+        fill_matches_oracle(device, 6, 30)
 
 
 # === hostile indices (§4 b) =======================================================================
