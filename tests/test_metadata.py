@@ -387,12 +387,18 @@ def test_decode_flatten_random(device, impl, bt_dtype):
         assert L(ebt)[:n] == e_ebt
 
 
+PREFILL_CHUNK_DCP = [(0, 1, 1), (1, 2, 1), (0, 4, 8), (3, 4, 8)]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dcp", [(0, 1, 1), (1, 2, 1), (0, 4, 8), (3, 4, 8)])
+@pytest.mark.parametrize("dcp", PREFILL_CHUNK_DCP)
 def test_prefill_chunk_random(device, impl, dcp):
+    """Random chunks of random batches, then two chunks that are whole batches of 4-7 requests (every request's
+    rows and token_to_seq entries)."""
     rnd = random.Random(hash(dcp) % 1000)
-    for seed in range(4):
-        R = rnd.randint(1, 7)
+    for seed in range(6):
+        whole = seed >= 4
+        R = rnd.randint(4 if whole else 1, 7)
         qlens = [rnd.choice([0, 1, rnd.randint(1, 30)]) for _ in range(R)]
         useq = [q + rnd.randint(0, 500) for q in qlens]
         ratio = rnd.choice([4, 128])
@@ -401,12 +407,13 @@ def test_prefill_chunk_random(device, impl, dcp):
         qsl = [0]
         for q in qlens:
             qsl.append(qsl[-1] + q)
-        start = rnd.randint(0, R - 1)
-        end = rnd.randint(start, R)
+        start = 0 if whole else rnd.randint(0, R - 1)
+        end = R if whole else rnd.randint(start, R)
         nq = qsl[end] - qsl[start]
-        qs0 = rnd.randint(0, nq)
-        qs1 = rnd.randint(qs0, nq)
-        total = sum(max(c, 0) for c in comp[start:end]) + rnd.randint(0, 3)   # a host upper bound
+        qs0 = 0 if whole else rnd.randint(0, nq)
+        qs1 = nq if whole else rnd.randint(qs0, nq)
+        slack = rnd.randint(17, 40) if whole else rnd.randint(0, 3)
+        total = sum(max(c, 0) for c in comp[start:end]) + slack   # a host upper bound
         cu, ks, ke, tts = o_chunk(qsl, useq, comp, start, end, qs0, qs1, ratio, *dcp, tts_len=total)
         bufs = (poisoned((end - start + 2,), device), poisoned((qs1 - qs0 + 1,), device),
                 poisoned((qs1 - qs0 + 1,), device), poisoned((total,), device))
@@ -513,6 +520,40 @@ def test_swa_decode_random(device, impl, kind, noncausal):
         assert L(t2r) == e_t2r and L(valid) == e_valid
         assert L(idx)[:ndt] == e_idx and L(idx)[ndt:] == [[POISON] * W] * 2
         assert L(lens) == e_lens + [0] * (len(slots) + 7 - ndt)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """SEARCH 1, ROW_BLOCK 16 and column tiles of 4: the random batches (a few requests, tens of rows, 3-64
+    columns) then walk every kernel's request-search, row and column loops past their first step, which otherwise
+    only batches of more than 256 requests or rows and rows of more than 1024 columns take."""
+    from torch_dsv4_ops.kernels import sparse_index
+    from torch_dsv4_ops.ops import metadata as ops
+
+    monkeypatch.setattr(kernels, "SEARCH", 1)
+    monkeypatch.setattr(kernels, "ROW_BLOCK", 16)
+    monkeypatch.setattr(sparse_index, "MIN_BLOCK", 4)
+    monkeypatch.setattr(sparse_index, "MAX_BLOCK", 4)
+    ops._PLANS.clear()
+    yield
+    ops._PLANS.clear()
+
+
+SMALL_TILE_RUNS = {
+    "slot_mapping": lambda dev: test_slot_mapping_random(dev, "kernel", "mixed", 4, 64),
+    "swa": lambda dev: test_swa_random(dev, "kernel", "mixed", True),
+    "gather_lens": lambda dev: test_gather_lens_random(dev, "kernel", "mixed"),
+    "decode_flatten": lambda dev: test_decode_flatten_random(dev, "kernel", torch.int32),
+    "prefill_chunk": lambda dev: [test_prefill_chunk_random(dev, "kernel", dcp) for dcp in PREFILL_CHUNK_DCP],
+    "token_and_native": lambda dev: test_token_and_native_random(dev, "kernel", "mixed"),
+    "swa_decode": lambda dev: test_swa_decode_random(dev, "kernel", "mixed", False),
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL_TILE_RUNS))
+def test_random_with_small_tiles(device, small_tiles, name):
+    """The random tests' kernel runs with small tiles (`small_tiles`): equal to the oracle as with the real ones."""
+    SMALL_TILE_RUNS[name](device)
 
 
 # === hostile indices (§4 b): the documented result, no access outside the tensors ======================
