@@ -657,6 +657,11 @@ FEATURES = {
                                     bad=((1, 3, -1), (1, 12, 10**6), (2, 9, -3)), seed=59),
     "bs32-whole-tiles": BASE.replace(bs=32, q_lens=(1, 4, 2), seq_lens=(150, 170, 140),
                                      bad=((1, 1, -1), (2, 2, 10**6)), seed=60),
+    # prefills of 40 new tokens: several dense-key tiles per q tile (the interpreter's 16-key tiles), whole ones
+    # without a mask and the masked ones past them, causal, windowed and not causal
+    "long-prefill": BASE.replace(q_lens=(1, 40, 3), seq_lens=(20, 57, 3), seed=63),
+    "long-prefill-sw33": BASE.replace(q_lens=(1, 40, 3), seq_lens=(20, 57, 3), sw=33, seed=64),
+    "long-prefill-non-causal": BASE.replace(q_lens=(1, 40, 3), seq_lens=(20, 57, 3), causal=False, seed=65),
     # fp8 KV caches (k_scale != v_scale != 1), uint8 and typed
     "fp8-e4m3-uint8": BASE.replace(**FP8, seed=31),
     "fp8-e4m3-typed": BASE.replace(kv="fp8_e4m3", cache_dtype=torch.float8_e4m3fn, seed=32),

@@ -514,8 +514,10 @@ def _steps_past_one(case: str) -> bool:
 def test_pack_unpack_one_program_walks_every_step(device, monkeypatch, case):
     """PACK_MAX_WORKERS = 1: each request's one program walks all its rows a step at a time (the loop past its first
     step, which only calls longer than a step per program take otherwise), narrow and wide rows (the wide row also
-    takes two column steps); the exact test's checks."""
+    takes two column steps); PACK_BLOCK_B = 2: the requests' start offsets summed over several steps (otherwise
+    only past 256 requests); the exact test's checks."""
     monkeypatch.setattr(kernels, "PACK_MAX_WORKERS", 1)
+    monkeypatch.setattr(kernels, "PACK_BLOCK_B", 2)
     ops._PACK_PLANS.clear()
     ops._UNPACK_PLANS.clear()
     try:

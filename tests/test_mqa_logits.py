@@ -346,6 +346,19 @@ def test_paged_logits(device, impl, name):
     assert_logits(got, expected, defined, case.clean, name)
 
 
+@pytest.mark.parametrize("name", ["n3-h4-bs5-fnuz-float8", "n2-h64-bs16-2d-padded"])
+def test_paged_logits_one_split_per_request(device, monkeypatch, name):
+    """PAGED_PROGRAMS_PER_SM = 1: one program per request walks all its key tiles (the loops past a program's
+    first tile, which the small cases' one-tile splits do not take), through the page-tile loop (block size 16)
+    and the per-key lookup loop (block size 5)."""
+    monkeypatch.setattr(kernels, "PAGED_PROGRAMS_PER_SM", 1)
+    ops._PAGED_PLANS.clear()
+    try:
+        test_paged_logits(device, "kernel", name)
+    finally:
+        ops._PAGED_PLANS.clear()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_paged_out_poisoned_and_inputs_untouched(device, impl):
     """out= (a padded row stride, poisoned) is written and its padding untouched; the cache, q, table and lengths
