@@ -485,9 +485,23 @@ def test_combine_decode_rows_extreme_values(device, M, N, dtype):
     assert L(r[1])[3] == 15 + 8 and L(r[1])[4] == topk + 8 and L(r[1])[9] == 0
 
 
-def test_combine_many_requests_two_level_search(device):
+@pytest.fixture(params=[None, 4], ids=["search-256", "search-4"])
+def search(request, monkeypatch):
+    """The request search as committed, or 4 entries a step (SEARCH = MIN_SEARCH = 4)."""
+    from torch_dsv4_ops.ops import sparse_index as ops
+
+    if request.param:
+        monkeypatch.setattr(kernels, "SEARCH", request.param)
+        monkeypatch.setattr(kernels, "MIN_SEARCH", request.param)
+    ops._PLANS.clear()
+    yield request.param
+    ops._PLANS.clear()
+
+
+def test_combine_many_requests_two_level_search(device, search):
     """Rc >= kernels.SEARCH takes the kernel's two-level search of query_start_loc (pivots, then one
-    segment): rows of a batch of mostly empty requests land on the right request."""
+    segment): rows of a batch of mostly empty requests land on the right request. SEARCH 4: segments of 11
+    entries, so the search inside a segment takes several steps (with SEARCH 256, only past 65536 requests)."""
     g = torch.Generator().manual_seed(11)
     Rc = kernels.SEARCH + 37
     qlens = torch.zeros(Rc, dtype=torch.int64)

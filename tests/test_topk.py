@@ -302,6 +302,20 @@ def test_kernel_paths_and_radix(device, monkeypatch, radix, tiles):
         ops._PLANS.clear()
 
 
+def test_short_rows_written_in_steps(device, monkeypatch):
+    """Rows of at most TOPK candidates take the index fill, OUT_BLOCK columns a step: with OUT_BLOCK_MAX 16 a
+    48-column top-k is written in 3 steps (as top-k 2048 is in 2 with the committed 1024), -1 past each row's
+    length, the pad columns untouched."""
+    monkeypatch.setattr(kernels, "OUT_BLOCK_MAX", 16)
+    ops._PLANS.clear()
+    try:
+        logits = planted_logits(5, 200, seed=21)
+        check_prefill_rows(device, "kernel", logits, [(0, 20), (7, 7), (100, 148), (150, 183), (31, 33)], 48, 2,
+                           "short rows in 16-column steps")
+    finally:
+        ops._PLANS.clear()
+
+
 def test_radix_bits_per_triton_version():
     assert kernels.radix_bits("3.6.0") == 5 and kernels.radix_bits("3.5.1") == 5
     assert kernels.radix_bits("3.7.0") == 5 and kernels.radix_bits("3.9.0+git1234") == 5
