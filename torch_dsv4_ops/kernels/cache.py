@@ -162,6 +162,14 @@ def flash_cache_write_kernel(
 
 
 @triton.jit
+def _group_slots(slot_ptr, tok, T, slot_stride, num_slots):
+    """(slots, valid) of tokens `tok`: a slot counts only for a token < T with 0 <= slot < num_slots (0 where not)."""
+    slot = tl.load(slot_ptr + tok * slot_stride, mask=tok < T, other=-1).to(tl.int64)
+    valid = (tok < T) & (slot >= 0) & (slot < num_slots)
+    return tl.where(valid, slot, 0), valid
+
+
+@triton.jit
 def head_major_group_kernel(
     key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, T, num_slots, slot_stride,
     k_st, k_sh, k_sd, v_st, v_sh, v_sd,
@@ -190,7 +198,7 @@ def head_major_group_kernel(
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    slot = tl.load(slot_ptr + tok * slot_stride, mask=tok_ok, other=-1).to(tl.int64)
+    slot, valid = _group_slots(slot_ptr, tok, T, slot_stride, num_slots)
     k = tl.load(key_ptr + tok[:, None] * k_st + h * k_sh + dk[None, :] * k_sd,
                 mask=tok_ok[:, None] & (dk < DK)[None, :])
     v = tl.load(value_ptr + tok[:, None] * v_st + h * v_sh + dv[None, :] * v_sd,
@@ -203,10 +211,6 @@ def head_major_group_kernel(
         if DIV64:
             k_scale = 1.0 / k_scale.to(tl.float64)
             v_scale = 1.0 / v_scale.to(tl.float64)
-    valid = tok_ok & (slot >= 0) & (slot < num_slots)
-    slot = tl.where(valid, slot, 0)
-    blk = slot // BS
-    off = slot % BS
     dx = tl.arange(0, BLOCK_DK // XK)
     # the group is one run inside one block, at a multiple of TOK slots (every run of a whole block when
     # BS == TOK): slot[i] = slot[0] + i for every i, all valid. Its V rows of TOK elements then start
@@ -236,9 +240,7 @@ def head_major_group_kernel(
         k_in = (dx[:, None, None] * XK + di[None, None, :]) < DK
         for c in range(TOK // SUB):
             tok_c = g * TOK + c * SUB + u
-            slot_c = tl.load(slot_ptr + tok_c * slot_stride, mask=tok_c < T, other=-1).to(tl.int64)
-            ok = (tok_c < T) & (slot_c >= 0) & (slot_c < num_slots)
-            slot_c = tl.where(ok, slot_c, 0)
+            slot_c, ok = _group_slots(slot_ptr, tok_c, T, slot_stride, num_slots)
             k_sub = tl.load(key_ptr + tok_c[:, None] * k_st + h * k_sh + dk[None, :] * k_sd,
                             mask=ok[:, None] & (dk < DK)[None, :])
             v_sub = tl.load(value_ptr + tok_c[:, None] * v_st + h * v_sh + dv[None, :] * v_sd,
