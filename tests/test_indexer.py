@@ -16,7 +16,7 @@ from oracles import FMT, oracle_exponent, oracle_lookup
 from torch_dsv4_ops import layout
 from torch_dsv4_ops.kernels import indexer as kernels
 from torch_dsv4_ops.testing import (assert_bitwise_equal, check_compile, check_cuda_graph, implementation,
-                                    nonzero_share, random_bytes_, run_opcheck, sync_debug_error,
+                                    nonzero_share, patched_constants, random_bytes_, run_opcheck, sync_debug_error,
                                     triton_cache_entries)
 
 INSERT = torch.ops.dsv4.indexer_k_quant_and_cache.default
@@ -477,22 +477,18 @@ def test_gather_exact(device, impl, name):
 
 
 @pytest.mark.parametrize("name", GATHER_CASES[:2])
-def test_gather_one_program_walks_every_step(device, monkeypatch, name):
+def test_gather_one_program_walks_every_step(device, name):
     """MAX_WORKERS = 1: each request's one program walks all its rows, GATHER_ROWS a step (the loop past its first
     step, which only calls of more than GATHER_ROWS * MAX_WORKERS rows take otherwise); bit-exact with the oracle
     over both whole allocations (`GatherCase.run`)."""
     from torch_dsv4_ops.ops import indexer as ops_indexer
 
-    monkeypatch.setattr(kernels, "MAX_WORKERS", 1)
-    ops_indexer._GATHER_PLANS.clear()
-    try:
+    with patched_constants(kernels, [ops_indexer._GATHER_PLANS], MAX_WORKERS=1):
         case = gather_case(name)
         assert max(b - a for a, b in zip(case.cu, case.cu[1:])) > 2 * kernels.GATHER_ROWS     # requests of 3+ steps
         assert kernels.gather_workers(case.rows) == 1
         dk, ds = case.run(device, "kernel")
         case.check_written_rows(dk, ds)
-    finally:
-        ops_indexer._GATHER_PLANS.clear()
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -19,7 +19,7 @@ from torch_dsv4_ops.kernels import indexer_q as kernels
 from torch_dsv4_ops.ops import indexer_q as ops
 from torch_dsv4_ops.ops.indexer_q import fused_indexer_q_rope_quant, pack_seq_triton, unpack_seq_triton
 from torch_dsv4_ops.testing import (as_bytes, assert_bitwise_equal, check_compile, check_cuda_graph, implementation,
-                                    nonzero_share, poison_, random_bytes_, sync_debug_error)
+                                    nonzero_share, patched_constants, poison_, random_bytes_, sync_debug_error)
 
 Q_OP = torch.ops.dsv4.fused_indexer_q_rope_quant.default
 Q_OUT = torch.ops.dsv4.fused_indexer_q_rope_quant_out.default
@@ -511,20 +511,13 @@ def _steps_past_one(case: str) -> bool:
 
 
 @pytest.mark.parametrize("case", [c for c in SEQ_CASES if _steps_past_one(c)])
-def test_pack_unpack_one_program_walks_every_step(device, monkeypatch, case):
+def test_pack_unpack_one_program_walks_every_step(device, case):
     """PACK_MAX_WORKERS = 1: each request's one program walks all its rows a step at a time (the loop past its first
     step, which only calls longer than a step per program take otherwise), narrow and wide rows (the wide row also
     takes two column steps); PACK_BLOCK_B = 2: the requests' start offsets summed over several steps (otherwise
     only past 256 requests); the exact test's checks."""
-    monkeypatch.setattr(kernels, "PACK_MAX_WORKERS", 1)
-    monkeypatch.setattr(kernels, "PACK_BLOCK_B", 2)
-    ops._PACK_PLANS.clear()
-    ops._UNPACK_PLANS.clear()
-    try:
+    with patched_constants(kernels, [ops._PACK_PLANS, ops._UNPACK_PLANS], PACK_MAX_WORKERS=1, PACK_BLOCK_B=2):
         test_pack_unpack_exact(device, "kernel", case)
-    finally:
-        ops._PACK_PLANS.clear()
-        ops._UNPACK_PLANS.clear()
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -11,7 +11,7 @@ from torch_dsv4_ops import layout, platform
 from torch_dsv4_ops.kernels import k_cache as kernels
 from torch_dsv4_ops.reference import k_cache as reference
 from torch_dsv4_ops.testing import (assert_bitwise_equal, changed_mask, check_compile, check_cuda_graph,
-                                    nonzero_share, random_bytes_, run_opcheck, sync_debug_error,
+                                    nonzero_share, patched_constants, random_bytes_, run_opcheck, sync_debug_error,
                                     triton_cache_entries)
 
 INSERT = torch.ops.dsv4.quantize_and_insert_k_cache.default
@@ -251,14 +251,12 @@ def test_insert_exact(device, bs, padded, form, use_fnuz):
 
 @pytest.mark.parametrize("use_fnuz", [False, True], ids=["ocp", "fnuz"])
 @pytest.mark.parametrize("tile", [t for _, t in kernels.INSERT_TILES])
-def test_insert_several_tokens_per_program(device, monkeypatch, tile, use_fnuz):
+def test_insert_several_tokens_per_program(device, tile, use_fnuz):
     """A large-call tile (several tokens per program, INSERT_TILES) on a small call: a token count that is not
     a multiple of it (a part-filled last program), hostile slots among the tokens, bit-exact."""
     from torch_dsv4_ops.ops import k_cache as ops_k_cache
 
-    monkeypatch.setattr(kernels, "INSERT_TILES", ((0, tile),))
-    ops_k_cache._INSERT_PLANS.clear()
-    try:
+    with patched_constants(kernels, [ops_k_cache._INSERT_PLANS], INSERT_TILES=((0, tile),)):
         k, slots, base, nb, stride = _insert_case(16, True, "2d", use_fnuz, 5 + use_fnuz)
         if slots.shape[0] % tile == 0:
             slots = slots[:-1]
@@ -270,8 +268,6 @@ def test_insert_several_tokens_per_program(device, monkeypatch, tile, use_fnuz):
         reference.quantize_and_insert_k_cache(k, make_cache(ref_base, nb, 16, stride, "2d"), slots, 16, True,
                                               use_fnuz)
         assert_bitwise_equal(dev_base.cpu(), ref_base, "whole allocation, kernel vs reference")
-    finally:
-        ops_k_cache._INSERT_PLANS.clear()
 
 
 def test_insert_nan_inf_documented_result(device):
@@ -477,15 +473,13 @@ def test_gather_hostile(device):
     assert_bitwise_equal(got[3], out[3], "row past R")
 
 
-def test_gather_programs_walk_several_steps(device, monkeypatch):
+def test_gather_programs_walk_several_steps(device):
     """Wide outputs (more than NARROW_WIDTH rows: BLOCK_T rows a step) on at most 2 programs a request, so that each
     program walks many steps with the next step's table entries loaded ahead of its stores: an invalid table entry
     mid-walk, gather lengths that end inside a step, an offset; bit-exact with the reference (`GatherCase.run`)."""
     from torch_dsv4_ops.ops import k_cache as ops_k_cache
 
-    monkeypatch.setattr(kernels, "MAX_WORKERS", 2)
-    ops_k_cache._GATHER_PLANS.clear()
-    try:
+    with patched_constants(kernels, [ops_k_cache._GATHER_PLANS], MAX_WORKERS=2):
         width = kernels.NARROW_WIDTH + 37
         target = platform.target_for(torch.device(device))
         assert kernels.gather_workers(width, target) == 2
@@ -495,8 +489,6 @@ def test_gather_programs_walk_several_steps(device, monkeypatch):
         table[0, 7] = -1                 # positions 112..127 of request 0: zero rows
         got = case.run(device, _poisoned_out(2, width), [width - 3, 301], 3, table=table)
         assert_bitwise_equal(got[0, 3 + 112 - 23], torch.zeros(layout.HEAD_DIM, dtype=torch.bfloat16), "bad entry")
-    finally:
-        ops_k_cache._GATHER_PLANS.clear()
 
 
 def test_gather_table_width_zero_and_empty(device):

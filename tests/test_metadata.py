@@ -13,7 +13,8 @@ import torch
 import torch_dsv4_ops as d
 from torch_dsv4_ops.kernels import metadata as kernels
 from torch_dsv4_ops.testing import (as_list, assert_bitwise_equal, check_compile, check_cuda_graph, check_sync_free,
-                                    i32, implementation, oracle_lookup, run_opcheck, triton_cache_entries)
+                                    i32, implementation, oracle_lookup, patched_constants, run_opcheck,
+                                    triton_cache_entries)
 
 OPS = torch.ops.dsv4
 IMPLS = ["kernel", "reference"]
@@ -523,20 +524,16 @@ def test_swa_decode_random(device, impl, kind, noncausal):
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
+def small_tiles():
     """SEARCH 1, ROW_BLOCK 16 and column tiles of 4: the random batches (a few requests, tens of rows, 3-64
     columns) then walk every kernel's request-search, row and column loops past their first step, which otherwise
     only batches of more than 256 requests or rows and rows of more than 1024 columns take."""
     from torch_dsv4_ops.kernels import sparse_index
     from torch_dsv4_ops.ops import metadata as ops
 
-    monkeypatch.setattr(kernels, "SEARCH", 1)
-    monkeypatch.setattr(kernels, "ROW_BLOCK", 16)
-    monkeypatch.setattr(sparse_index, "MIN_BLOCK", 4)
-    monkeypatch.setattr(sparse_index, "MAX_BLOCK", 4)
-    ops._PLANS.clear()
-    yield
-    ops._PLANS.clear()
+    with patched_constants(kernels, [ops._PLANS], SEARCH=1, ROW_BLOCK=16), \
+            patched_constants(sparse_index, MIN_BLOCK=4, MAX_BLOCK=4):
+        yield
 
 
 SMALL_TILE_RUNS = {

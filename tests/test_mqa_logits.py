@@ -16,7 +16,8 @@ from torch_dsv4_ops.kernels import mqa_logits as kernels
 from torch_dsv4_ops.ops import mqa_logits as ops
 from torch_dsv4_ops.ops.indexer import indexer_k_quant_and_cache
 from torch_dsv4_ops.testing import (check_compile, check_cuda_graph, check_direct_launches, gluon_runs_direct,
-                                    implementation, nonzero_share, poison_, run_opcheck, sync_debug_error)
+                                    implementation, nonzero_share, patched_constants, poison_, run_opcheck,
+                                    sync_debug_error)
 
 PREFILL = torch.ops.dsv4.fp8_fp4_mqa_logits.default
 PREFILL_OUT = torch.ops.dsv4.fp8_fp4_mqa_logits_out.default
@@ -347,16 +348,12 @@ def test_paged_logits(device, impl, name):
 
 
 @pytest.mark.parametrize("name", ["n3-h4-bs5-fnuz-float8", "n2-h64-bs16-2d-padded"])
-def test_paged_logits_one_split_per_request(device, monkeypatch, name):
+def test_paged_logits_one_split_per_request(device, name):
     """PAGED_PROGRAMS_PER_SM = 1: one program per request walks all its key tiles (the loops past a program's
     first tile, which the small cases' one-tile splits do not take), through the page-tile loop (block size 16)
     and the per-key lookup loop (block size 5)."""
-    monkeypatch.setattr(kernels, "PAGED_PROGRAMS_PER_SM", 1)
-    ops._PAGED_PLANS.clear()
-    try:
+    with patched_constants(kernels, [ops._PAGED_PLANS], PAGED_PROGRAMS_PER_SM=1):
         test_paged_logits(device, "kernel", name)
-    finally:
-        ops._PAGED_PLANS.clear()
 
 
 @pytest.mark.parametrize("impl", IMPLS)

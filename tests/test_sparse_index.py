@@ -13,7 +13,8 @@ import torch_dsv4_ops as d
 from torch_dsv4_ops import layout
 from torch_dsv4_ops.kernels import sparse_index as kernels
 from torch_dsv4_ops.testing import (as_list, assert_bitwise_equal, check_compile, check_cuda_graph, check_sync_free,
-                                    i32, implementation, oracle_lookup, run_opcheck, triton_cache_entries)
+                                    i32, implementation, oracle_lookup, patched_constants, run_opcheck,
+                                    triton_cache_entries)
 
 OPS = torch.ops.dsv4
 I32MAX = 2**31 - 1
@@ -369,15 +370,13 @@ def combine_matches_oracle(device, args, what):
 
 
 @pytest.fixture(params=["programs per row", "rows per program"])
-def row_programs(request, monkeypatch):
+def row_programs(request):
     """Kernels that loop over rows: one row per program, or every program looping (one per SM)."""
     from torch_dsv4_ops.ops import sparse_index as ops
 
-    if request.param == "rows per program":
-        monkeypatch.setattr(kernels, "ROW_PROGRAMS_PER_SM", 1)
-    ops._PLANS.clear()
-    yield request.param
-    ops._PLANS.clear()
+    looping = {"ROW_PROGRAMS_PER_SM": 1} if request.param == "rows per program" else {}
+    with patched_constants(kernels, [ops._PLANS], **looping):
+        yield request.param
 
 
 @pytest.mark.parametrize("kind", BATCHES)
@@ -486,16 +485,13 @@ def test_combine_decode_rows_extreme_values(device, M, N, dtype):
 
 
 @pytest.fixture(params=[None, 4], ids=["search-256", "search-4"])
-def search(request, monkeypatch):
+def search(request):
     """The request search as committed, or 4 entries a step (SEARCH = MIN_SEARCH = 4)."""
     from torch_dsv4_ops.ops import sparse_index as ops
 
-    if request.param:
-        monkeypatch.setattr(kernels, "SEARCH", request.param)
-        monkeypatch.setattr(kernels, "MIN_SEARCH", request.param)
-    ops._PLANS.clear()
-    yield request.param
-    ops._PLANS.clear()
+    small = {"SEARCH": request.param, "MIN_SEARCH": request.param} if request.param else {}
+    with patched_constants(kernels, [ops._PLANS], **small):
+        yield request.param
 
 
 def test_combine_many_requests_two_level_search(device, search):
@@ -662,14 +658,12 @@ def fill_matches_oracle(device, T, topk):
 
 
 @pytest.fixture
-def narrow_tiles(monkeypatch):
+def narrow_tiles():
     """Column tiles capped at MIN_BLOCK columns, so that rows wider than that walk every kernel's column loops."""
     from torch_dsv4_ops.ops import sparse_index as ops
 
-    monkeypatch.setattr(kernels, "MAX_BLOCK", kernels.MIN_BLOCK)
-    ops._PLANS.clear()
-    yield
-    ops._PLANS.clear()
+    with patched_constants(kernels, [ops._PLANS], MAX_BLOCK=kernels.MIN_BLOCK):
+        yield
 
 
 @pytest.mark.parametrize("builder", ["global", "combine", "flashinfer", "c128a", "fill"])
@@ -770,15 +764,12 @@ def test_hostile_flashinfer(device):
 
 
 @pytest.mark.parametrize("guess", [True, False])
-def test_c128a_token_request_guess(device, guess, monkeypatch):
+def test_c128a_token_request_guess(device, guess):
     """Decode token t of a request other than t (the kernel's first tile of table row t, read before
     token_to_req arrives, must be dropped), of request t with a row shorter than the tile, and of an
     out-of-range request; with the guess (small launches) and without it (kernels.GUESS_ROWS = 0)."""
     from torch_dsv4_ops.ops import sparse_index as ops
 
-    if not guess:
-        monkeypatch.setattr(kernels, "GUESS_ROWS", 0)
-    ops._PLANS.clear()
     g = torch.Generator().manual_seed(17)
     bt = torch.randint(0, 300, (8, 6), generator=g, dtype=torch.int32)
     bt[1, 2] = -1
@@ -793,8 +784,8 @@ def test_c128a_token_request_guess(device, guess, monkeypatch):
         d.build_c128a_topk_metadata(positions.to(dev), 2, Td, t2r.to(dev), bt.to(dev), 4, slots.to(dev), *bufs, mct)
         return bufs
 
-    k, r = run_both(device, fn)
-    ops._PLANS.clear()
+    with patched_constants(kernels, [ops._PLANS], **({} if guess else {"GUESS_ROWS": 0})):
+        k, r = run_both(device, fn)
     assert_same(k, r, "c128a, token/request guess")
     expected = o_c128a(positions.tolist(), 2, Td, t2r.tolist(), bt.tolist(), 4, slots.tolist(), [[3] * 13] * Td,
                        [3] * Td, [[3] * 5], mct)

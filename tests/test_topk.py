@@ -17,7 +17,7 @@ from torch_dsv4_ops.ops.topk import top_k_per_row_decode, top_k_per_row_prefill
 from torch_dsv4_ops.ops._plans import ByAlignment
 from torch_dsv4_ops.reference import topk as reference
 from torch_dsv4_ops.testing import (assert_bitwise_equal, check_compile, check_cuda_graph, implementation, run_opcheck,
-                                    sync_debug_error)
+                                    patched_constants, sync_debug_error)
 
 PREFILL = torch.ops.dsv4.top_k_per_row_prefill.default
 DECODE = torch.ops.dsv4.top_k_per_row_decode.default
@@ -274,46 +274,28 @@ def test_explicit_strides(device, impl):
 
 
 # --- long rows: the streaming path, and every digit schedule --------------------------------------------------------
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Tiles of 128 columns (rows longer than that stream); plans built under the patch are dropped after."""
-    monkeypatch.setattr(kernels, "TILE_MAX", 128)
-    ops._PLANS.clear()
-    yield
-    ops._PLANS.clear()
-
-
 @pytest.mark.parametrize("radix", [5, 8, 10])
 @pytest.mark.parametrize("tiles", ["one-tile", "streamed"])
-def test_kernel_paths_and_radix(device, monkeypatch, radix, tiles):
+def test_kernel_paths_and_radix(device, radix, tiles):
     """The kernel with each digit width (5: Triton 3.6's schedule, 10: 3.7+, 8) on the in-register and the
     streaming path (128-column tiles), against the oracle: ties across tile boundaries, unaligned windows."""
-    monkeypatch.setattr(kernels, "radix_bits", lambda version=None: radix)
-    if tiles == "streamed":
-        monkeypatch.setattr(kernels, "TILE_MAX", 128)
-    ops._PLANS.clear()
-    try:
+    streamed = {"TILE_MAX": 128} if tiles == "streamed" else {}
+    with patched_constants(kernels, [ops._PLANS], radix_bits=lambda version=None: radix, **streamed):
         n_cols, topk = 530, 48
         logits = planted_logits(8, n_cols, seed=7 + radix)
         logits[5] = torch.randint(0, 2, (n_cols,)).float()            # ~265 equal maxima: ties span tiles
         spans = [(0, 530), (0, 530), (0, 530), (0, 530), (0, 530), (3, 470), (129, 178), (250, 530)]
         check_prefill_rows(device, "kernel", logits, spans, topk, 2, f"radix {radix}, {tiles}")
-    finally:
-        ops._PLANS.clear()
 
 
-def test_short_rows_written_in_steps(device, monkeypatch):
+def test_short_rows_written_in_steps(device):
     """Rows of at most TOPK candidates take the index fill, OUT_BLOCK columns a step: with OUT_BLOCK_MAX 16 a
     48-column top-k is written in 3 steps (as top-k 2048 is in 2 with the committed 1024), -1 past each row's
     length, the pad columns untouched."""
-    monkeypatch.setattr(kernels, "OUT_BLOCK_MAX", 16)
-    ops._PLANS.clear()
-    try:
+    with patched_constants(kernels, [ops._PLANS], OUT_BLOCK_MAX=16):
         logits = planted_logits(5, 200, seed=21)
         check_prefill_rows(device, "kernel", logits, [(0, 20), (7, 7), (100, 148), (150, 183), (31, 33)], 48, 2,
                            "short rows in 16-column steps")
-    finally:
-        ops._PLANS.clear()
 
 
 def test_radix_bits_per_triton_version():

@@ -267,6 +267,26 @@ def check_direct_launches(launcher, call: Callable[[], Sequence[torch.Tensor]], 
     return direct
 
 
+@contextlib.contextmanager
+def patched_constants(module, plans: Iterable[dict] = (), **constants):
+    """Within: `module`'s constants set to `constants` (restored on exit) and every plan cache in `plans` empty on
+    entry and on exit, so that no plan built under the patch outlives it (plans key on argument signatures, not on
+    the constants). Tests use it to take a kernel's loops past their first iteration at small shapes."""
+    plans = list(plans)
+    old = {name: getattr(module, name) for name in constants}
+    for cache in plans:
+        cache.clear()
+    try:
+        for name, value in constants.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(module, name, value)
+        for cache in plans:
+            cache.clear()
+
+
 def nonzero_share(t: torch.Tensor) -> float:
     """Fraction of non-zero bytes: guards against fp8 caches that silently hold only zeros."""
     b = as_bytes(t.cpu())
