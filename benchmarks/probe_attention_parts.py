@@ -1,10 +1,15 @@
 """Where the paged attention's open targets stand on this GPU: `python -m benchmarks.probe_attention_parts`.
 
-Two diagnostics (CUDA-graph replay over rotated inputs, each case checked against the float64 reference first):
+Diagnostics (CUDA-graph replay over rotated inputs, each attention case checked against the float64 reference first):
 - one request decoding over contexts of 16 .. 65536 keys (bf16 and fp8 caches): the time against the context, with
   the line through the longest contexts (its slope as GB/s, its intercept as the call's fixed cost), the best
   share of the read ceiling a call of that fixed cost can reach at 32768 keys, and what a plain read of the same
-  bytes (`torch.sum` over rotated buffers, in a graph) reaches;
+  bytes reaches (`torch.sum` over rotated buffers, in a graph; and a one-wave Triton read, each program summing
+  one contiguous part, at the best of READ_GRIDS); and the call's two kernels (the split decode, the combine of its
+  partial rows) each replayed alone;
+- one request over contexts of 4096 .. 32768 keys with the split count forced (`forced_decode_splits`) to the
+  plan's and to each of SPLIT_COUNTS: what the plan's bound of MIN_KEYS_PER_SPLIT keys a split costs a request too
+  short to fill the GPU with splits of that size;
 - the mixed step of the benchmark next to its two parts timed alone (its decodes, its prefills), since the two
   kernels cannot share an SM and their times add up.
 Not a benchmark: `NOTES.md` cites its output.
@@ -12,14 +17,24 @@ Not a benchmark: `NOTES.md` cites its output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
+import triton
+import triton.language as tl
+
+import torch_dsv4_ops
+from torch_dsv4_ops import platform
 
 from . import bench_attention as bench
 from .harness import Workload, read_matmul_ceilings, rotation_sets, time_graph
 
 LONG_CONTEXTS = (16, 8192, 16384, 32768, 65536)
 FIT_FROM = 16384          # the line through the contexts from here on (each doubling adds only its bytes)
+SPLIT_CONTEXTS = (4096, 8192, 16384, 32768)
+SPLIT_COUNTS = (16, 32, 64, 128)
+# (programs per SM, fp32 elements a step, warps) of the Triton read
+READ_GRIDS = ((1, 8192, 8), (2, 8192, 8), (4, 4096, 8), (8, 2048, 4), (8, 4096, 8), (16, 2048, 4))
 
 
 def _time(spec: bench.Spec, device, reps: int) -> tuple[float, str]:
@@ -28,12 +43,112 @@ def _time(spec: bench.Spec, device, reps: int) -> tuple[float, str]:
     return min(time_graph(w, reps) for _ in range(2)), check
 
 
+def split_sweep(device, ceiling: float, reps: int) -> None:
+    """One request's decode with the split count the plan picks, then forced to each of SPLIT_COUNTS."""
+    from torch_dsv4_ops.kernels import attention as kernels
+    from torch_dsv4_ops.ops import attention as ops
+    for fp8 in (False, True):
+        for ctx in SPLIT_CONTEXTS:
+            spec = bench.Spec(1, ctx, fp8)
+            geo = kernels.Geometry(bench.HQ, bench.HKV, bench.D, bench.BS, 16 // (1 if fp8 else 2), True)
+            tiles = kernels.decode_tiles(geo, torch.bfloat16, fp8, platform.target_for(device))
+            plan = kernels.decode_splits(1, bench.HKV, ctx, kernels.device_multiprocessors(device), tiles["per_sm"],
+                                         tiles.get("at_most", False),
+                                         tiles.get("split_keys", kernels.MIN_KEYS_PER_SPLIT))
+            cells = []
+            for splits in (None, *SPLIT_COUNTS):
+                ops._CHUNKED_PLANS.clear()
+                with contextlib.ExitStack() as stack:
+                    if splits is not None:
+                        stack.enter_context(ops.forced_decode_splits(splits))
+                    us, check = _time(spec, device, reps)
+                pct = spec.bytes_per_call() / (us * 1e-6) / (ceiling * 1e9) * 100
+                label = f"plan {plan}" if splits is None else str(splits)
+                cells.append(f"{label}: {us:.2f} us {pct:.1f} %{'' if check == 'ok' else ' ' + check}")
+            ops._CHUNKED_PLANS.clear()
+            print(f"splits, decode {'fp8' if fp8 else 'bf16'} 1 x {ctx:5d}: " + " | ".join(cells), flush=True)
+
+
+def plan_launches(spec: bench.Spec, device):
+    """(sets, call, decode, combine) of a benchmark case: its rotated input sets (the op's arguments), and Workloads
+    of the op, of its plan's decode launch alone and of its combine launch alone (None when the plan does not
+    split) over them."""
+    from torch_dsv4_ops.ops import attention as ops
+    sets = [ops.example_batch(spec.query_lens(), spec.seq_lens(), hq=bench.HQ, hkv=bench.HKV, dim=bench.D,
+                              bs=bench.BS, fp8=spec.fp8, seed=1 + i, device=device)
+            for i in range(rotation_sets(spec.bytes_per_call(), device))]
+    ops._CHUNKED_PLANS.clear()
+    ops._chunked_kernel(*sets[0])        # the kernel path's plan (what the op runs on a GPU)
+    (plan,) = ops._CHUNKED_PLANS.values()
+    ops._CHUNKED_PLANS.clear()
+    parts = [torch.empty(max(plan.workspace, 1), device=device) for _ in sets]
+
+    def decode(i: int) -> None:       # k_scale stands for the absent output scale, ALiBi slopes and sinks
+        query, _, _, output, _, key_cache, value_cache, table, qsl, seq_lens, _, _, k_scale, v_scale = sets[i]
+        plan.decode(query, output, key_cache, value_cache, table, qsl, seq_lens, k_scale, v_scale, k_scale,
+                    k_scale, k_scale, parts[i])
+
+    def combine(i: int) -> None:
+        output, qsl, k_scale = sets[i][3], sets[i][8], sets[i][12]
+        plan.combine(output, qsl, k_scale, k_scale, parts[i])
+
+    call = Workload(lambda i: torch_dsv4_ops.chunked_prefill_paged_decode(*sets[i]), len(sets), spec.bytes_per_call())
+    return (sets, call, Workload(decode, len(sets), call.nbytes),
+            Workload(combine, len(sets), 0) if plan.combine is not None else None)
+
+
+def kernels_alone(spec: bench.Spec, device, reps: int) -> dict:
+    """Graph-replay us of the call, of its decode kernel alone and of its combine alone (`plan_launches`)."""
+    from torch_dsv4_ops.ops import attention as ops
+    _, call, decode, combine = plan_launches(spec, device)
+    times = {"call": time_graph(call, reps), "decode kernel": time_graph(decode, reps)}
+    if combine is not None:
+        times["combine kernel"] = time_graph(combine, reps)
+    ops._CHUNKED_PLANS.clear()
+    return times
+
+
 def plain_read_us(nbytes: int, device, reps: int) -> float:
     """Graph-replay time of `torch.sum` over `nbytes` of fp32, rotated through enough buffers to leave L2."""
     n = rotation_sets(nbytes, device)
     bufs = [torch.rand(nbytes // 4, device=device) for _ in range(n)]
     total = torch.empty((), device=device)
-    return time_graph(Workload(lambda i: torch.sum(bufs[i], out=total), n, nbytes), reps)
+    return time_graph(Workload(lambda i: torch.sum(bufs[i], dim=0, out=total), n, nbytes), reps)
+
+
+@triton.jit
+def _read_parts_kernel(x_ptr, out_ptr, per_program, BLOCK: tl.constexpr):
+    """Program p: the sum of x[p * per_program : (p + 1) * per_program] (per_program a multiple of BLOCK)."""
+    p = tl.program_id(0)
+    base = x_ptr + p.to(tl.int64) * per_program
+    acc = tl.zeros([BLOCK], tl.float32)
+    for off in range(0, per_program, BLOCK):
+        acc += tl.load(base + off + tl.arange(0, BLOCK))
+    tl.store(out_ptr + p, tl.sum(acc))
+
+
+def triton_read_us(nbytes: int, device, reps: int) -> tuple[float, str]:
+    """The best graph-replay time of `_read_parts_kernel` over READ_GRIDS reading at least `nbytes` of fp32 (rounded
+    up to whole steps), rotated as plain_read_us; and the grid that took it."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    n = rotation_sets(nbytes, device)
+    best = None
+    for per_sm, block, warps in READ_GRIDS:
+        programs = per_sm * sms
+        per_program = -(-nbytes // (4 * programs * block)) * block
+        bufs = [torch.rand(per_program * programs, device=device) for _ in range(n)]
+        out = torch.empty(programs, device=device)
+        expect = float(bufs[0].double().sum())
+        _read_parts_kernel[(programs,)](bufs[0], out, per_program, BLOCK=block, num_warps=warps)
+        if abs(float(out.double().sum()) - expect) > 1e-3 * abs(expect):
+            raise RuntimeError("the Triton read's sum is wrong")
+        run = lambda i: _read_parts_kernel[(programs,)](bufs[i], out, per_program, BLOCK=block, num_warps=warps)
+        us = time_graph(Workload(run, n, per_program * programs * 4), reps)
+        if best is None or us < best[0]:
+            best = (us, f"{per_sm} programs an SM, {block} elements a step, {warps} warps, "
+                        f"{per_program * programs * 4 / 1e6:.1f} MB read")
+        del bufs
+    return best
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -48,6 +163,7 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.probe_attention_parts", description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--reads-only", action="store_true", help="the single-request decodes and the reads only")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("probe_attention_parts: needs a CUDA GPU")
@@ -76,6 +192,17 @@ def main() -> int:
         plain = plain_read_us(nbytes, device, args.reps)
         print(f"  a plain read of the same {nbytes / 1e6:.1f} MB (torch.sum): {plain:.2f} us = "
               f"{nbytes / plain / 1e3 / ceiling * 100:.1f} % of read", flush=True)
+        read, grid = triton_read_us(nbytes, device, args.reps)
+        print(f"  a one-wave Triton read of the same bytes: {read:.2f} us = "
+              f"{nbytes / read / 1e3 / ceiling * 100:.1f} % of read ({grid})", flush=True)
+        times = kernels_alone(bench.Spec(1, 32768, fp8), device, args.reps)
+        print("  1 x 32768, each replayed alone: " + ", ".join(f"{k} {v:.2f} us" for k, v in times.items()),
+              flush=True)
+        if args.reads_only:
+            continue
+    if args.reads_only:
+        return 0
+    split_sweep(device, ceiling, args.reps)
     mixed = bench.Spec(**bench.MIXED)
     parts = {"decodes alone": bench.Spec(mixed.decodes, mixed.decode_ctx),
              "prefills alone": bench.Spec(0, 0, prefills=mixed.prefills, new=mixed.new, cached=mixed.cached),

@@ -819,17 +819,19 @@ def test_ragged_batch(device, variant):
 # Decode split plans and table chunks (host ints)
 # ================================================================================================
 @pytest.mark.parametrize("per_sm", [4, 11])
-def test_decode_split_counts(per_sm):
+@pytest.mark.parametrize("min_keys", [attention_kernels.MIN_KEYS_PER_SPLIT, 32])
+def test_decode_split_counts(per_sm, min_keys):
     """With at_most, the split count is the largest whose (request x kv head x split) programs fit per_sm per SM
-    (one wave), bounded by MIN_KEYS_PER_SPLIT keys per part and MAX_SPLITS; without it, the smallest that reaches
+    (one wave), bounded by min_keys keys per part and MAX_SPLITS; without it, the smallest that reaches
     per_sm per SM, under the same bounds."""
     k = attention_kernels
     for requests, hkv, keys, sms in [(64, 8, 4096, 132), (256, 8, 1024, 132), (1, 8, 32768, 132), (1, 1, 300, 132),
-                                     (3, 2, 10**6, 78), (1000, 8, 4096, 132), (0, 8, 4096, 132), (2, 4, 0, 16)]:
+                                     (3, 2, 10**6, 78), (1000, 8, 4096, 132), (0, 8, 4096, 132), (2, 4, 0, 16),
+                                     (1, 8, 4096, 132), (2, 8, 1000, 132)]:
         programs, slots = max(requests * hkv, 1), per_sm * sms
-        cap = min(-(-max(keys, 1) // k.MIN_KEYS_PER_SPLIT), k.MAX_SPLITS)
-        fit = k.decode_splits(requests, hkv, keys, sms, per_sm, at_most=True)
-        fill = k.decode_splits(requests, hkv, keys, sms, per_sm)
+        cap = min(-(-max(keys, 1) // min_keys), k.MAX_SPLITS)
+        fit = k.decode_splits(requests, hkv, keys, sms, per_sm, at_most=True, min_keys=min_keys)
+        fill = k.decode_splits(requests, hkv, keys, sms, per_sm, min_keys=min_keys)
         assert 1 <= fit <= fill <= cap
         assert fit == 1 or programs * fit <= slots
         assert fit == cap or programs * (fit + 1) > slots

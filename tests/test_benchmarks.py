@@ -180,3 +180,38 @@ def test_attention_parts_probe_fits_its_line():
     assert probe_attention_parts.FIT_FROM in probe_attention_parts.LONG_CONTEXTS
     spec = bench_attention.Spec(1, min(probe_attention_parts.LONG_CONTEXTS), True)
     assert bench_attention.build(spec, torch.device("cpu")).check() == "ok"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_attention_parts_probe_launches_the_ops_kernels(fp8):
+    """benchmarks/probe_attention_parts.py times the op's decode and combine launches alone: run one after the other
+    they write what the op's kernel path writes (a split plan: two parts at this size on 4 interpreter SMs)."""
+    import torch
+
+    from benchmarks import probe_attention_parts as probe
+    from torch_dsv4_ops.ops import attention as ops
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sets, _, decode, combine = probe.plan_launches(probe.bench.Spec(1, 300, fp8), device)
+    assert combine is not None
+    output = sets[1][3]
+    ops._chunked_kernel(*sets[1])
+    expected = output.clone()
+    output.fill_(float("nan"))
+    decode.run(1)
+    combine.run(1)
+    assert torch.equal(output, expected)
+    ops._CHUNKED_PLANS.clear()
+
+
+def test_attention_parts_probe_read_kernel_sums_each_part():
+    """The probe's one-wave read: program p sums its contiguous part of per_program elements."""
+    import torch
+
+    from benchmarks import probe_attention_parts as probe
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x = torch.rand(6 * 3 * 64, device=device)
+    out = torch.empty(6, device=device)
+    probe._read_parts_kernel[(6,)](x, out, 3 * 64, BLOCK=64)
+    torch.testing.assert_close(out, x.view(6, -1).sum(1))

@@ -867,7 +867,11 @@ def decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target) 
     2026-11-27: 1 x 32768 33.9 -> 33.3 us; 2 parts lost), and so do float caches in that loop (as swept);
     the interpreter takes them too, so that the CPU suite runs them. `early`: the EARLY flags (kernels/early.py);
     fp8 caches on PDL targets touch their first DECODE_TOUCH_TILES tiles before the wait and launch the combine
-    after it (NOTES.md, 2026-11-27: 1 x 32768 33.4 -> 31.2 us, 1 x 8192 21.4 -> 15.3 us; float caches lost)."""
+    after it (NOTES.md, 2026-11-27: 1 x 32768 33.4 -> 31.2 us, 1 x 8192 21.4 -> 15.3 us; float caches lost).
+    `split_keys`: the fewest keys a split takes (decode_splits; MIN_KEYS_PER_SPLIT when absent); the table-chunk
+    loop's programs are cheap enough that a request too short to fill the GPU with 256-key splits gains from
+    shorter ones (probe_attention_parts, H200, 2026-11-28: 1 x 8192 bf16 28.7 -> 19.2 us at 32, fp8 14.8 -> 12.5
+    us at 128)."""
     tiles = _decode_tiles(geo, q_dtype, kv_fp8, target)
     if tiles.get("loop") == LOOP_TABLE_CHUNKS and target.backend != "interpreter" and tiles["num_warps"] != 1:
         # one warp keeps the block ids' tl.gather in warp shuffles; across warps it goes through shared memory,
@@ -890,6 +894,7 @@ def _decode_tiles(geo: Geometry, q_dtype, kv_fp8: bool, target: platform.Target)
     if chunks:
         return dict(BLOCK_H=block_h, BLOCK_N=16, num_warps=1, num_stages=3 if kv_fp8 else 2,
                     per_sm=FP8_PROGRAMS_PER_SM if kv_fp8 else FLOAT_CHUNK_PROGRAMS_PER_SM, at_most=True,
+                    split_keys=FP8_CHUNK_SPLIT_KEYS if kv_fp8 else FLOAT_CHUNK_SPLIT_KEYS,
                     loop=LOOP_TABLE_CHUNKS, chunk=table_chunk(geo.bs, 16, target), combine_parts=MAX_COMBINE_PARTS,
                     early=early.flags(touch=True, late=True) if kv_fp8 and early.use_early(target) else 0)
     return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=2, num_stages=2, per_sm=PROGRAMS_PER_SM)
@@ -905,7 +910,9 @@ FLOAT_CHUNK_MAX_ROWS = 16      # decode: float caches take the table-chunk loop 
 WIDE_PREFILL_SMEM = 200 * 1024    # prefill: the 256 x 64 tile (160 KB at 3 stages) on sm_90+ programs of this much
                                   # shared memory (sm_90, sm_100; not sm_80's 163 KB, where it was never timed)
 WIDE_TWO_STAGE_SMEM = 160 * 1024   # decode of fp32 or > 128 dims: 2 stages where a program has this much shared memory
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 256       # keys per split, at least (decode_splits), unless the tiles say otherwise:
+FLOAT_CHUNK_SPLIT_KEYS = 32     # ... float caches in the table-chunk loop
+FP8_CHUNK_SPLIT_KEYS = 128      # ... fp8 caches in the table-chunk loop
 MAX_SPLITS = 128
 COMBINE_BLOCKS = (8, 32, MAX_SPLITS)   # the combine's partial rows per program (combine_block)
 MAX_COMBINE_PARTS = 4         # the combine's programs per (request, head) for fp8 caches, at most (combine_parts)
@@ -939,15 +946,15 @@ def multiprocessors(device_index: int | None) -> int:
 
 
 def decode_splits(requests: int, hkv: int, max_keys: int, multiprocessor_count: int, per_sm: int,
-                  at_most: bool = False) -> int:
+                  at_most: bool = False, min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
     """How many parts to split each decode request's keys into (flash-decoding), from host ints only:
     enough (request x kv head) programs for `per_sm` (decode_tiles) per multiprocessor, or with `at_most` as
-    many as stay within `per_sm` per multiprocessor (one wave); at least MIN_KEYS_PER_SPLIT keys per part, at
-    most MAX_SPLITS parts."""
+    many as stay within `per_sm` per multiprocessor (one wave); at least `min_keys` (decode_tiles' `split_keys`)
+    keys per part, at most MAX_SPLITS parts."""
     programs = max(requests * hkv, 1)
     slots = per_sm * multiprocessor_count
     want = slots // programs if at_most else layout.cdiv(slots, programs)
-    return max(1, min(want, layout.cdiv(max(max_keys, 1), MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+    return max(1, min(want, layout.cdiv(max(max_keys, 1), min_keys), MAX_SPLITS))
 
 
 def numeric_constexprs(numerics: Numerics) -> dict:

@@ -310,7 +310,7 @@ def _chunked_plan(query, key, value, output, kv_cache_dtype, key_cache, value_ca
     tiles = kernels.decode_tiles(geo, query.dtype, numerics.kv_fp8 != layout.NOT_FP8, target)
     splits = forced_splits or kernels.decode_splits(
         checked.requests, geo.hkv, max_keys, kernels.device_multiprocessors(device), tiles["per_sm"],
-        tiles.get("at_most", False))
+        tiles.get("at_most", False), tiles.get("split_keys", kernels.MIN_KEYS_PER_SPLIT))
     c = _common_ints(checked, key_cache, value_cache, block_table, seq_lens, sm_scale, feats.table_ptr)
     meta = kernels.launch_options(kernels.decode_constexprs(geo, feats, numerics, tiles, splits))
     ints = (checked.tokens, c["sm_scale"], c["W"], c["num_blocks"], c["cache_base"], c["page_bytes"],
