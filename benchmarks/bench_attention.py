@@ -98,7 +98,8 @@ def build(s: Spec, device) -> harness.Workload:
 
 
 def _check(args, s: Spec) -> str:
-    """The first and last request against a float64 softmax over the dequantised cache."""
+    """The first and last request against a float64 softmax over the dequantised cache (a prefill's new tokens:
+    the dense key/value the op reads for them)."""
     (query, key, value, output, kv_cache_dtype, key_cache, value_cache, table, qsl, seq_lens, _, _, k_scale,
      v_scale) = args
     output.fill_(float("nan"))
@@ -114,6 +115,9 @@ def _check(args, s: Spec) -> str:
         if s.fp8:
             k = (k.view(torch.float8_e4m3fn).double() * k_scale.double()).to(query.dtype)
             v = (v.view(torch.float8_e4m3fn).double() * v_scale.double()).to(query.dtype)
+        if q1 - q0 > 1:    # a prefill reads its new tokens' K/V from the dense key/value, not from the cache
+            k[n - (q1 - q0):] = key[q0:q1]
+            v[n - (q1 - q0):] = value[q0:q1]
         k = k.double().repeat_interleave(HQ // HKV, 1)
         v = v.double().repeat_interleave(HQ // HKV, 1)
         q = query[q0:q1].double()

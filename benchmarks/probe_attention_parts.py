@@ -6,7 +6,8 @@ Diagnostics (CUDA-graph replay over rotated inputs, each attention case checked 
   share of the read ceiling a call of that fixed cost can reach at 32768 keys, and what a plain read of the same
   bytes reaches (`torch.sum` over rotated buffers, in a graph; and a one-wave Triton read, each program summing
   one contiguous part, at the best of READ_GRIDS); and the call's two kernels (the split decode, the combine of its
-  partial rows) each replayed alone;
+  partial rows) each replayed alone; and (`--read-shapes`) the Triton read of the fp8 call's bytes in pages shaped
+  as the decode's: its grid, a page a step, one warp, the pages in place or through a page table (PAGE_READS);
 - one request over contexts of 4096 .. 32768 keys with the split count forced (`forced_decode_splits`) to the
   plan's and to each of SPLIT_COUNTS: what the plan's bound of MIN_KEYS_PER_SPLIT keys a split costs a request too
   short to fill the GPU with splits of that size;
@@ -33,8 +34,16 @@ LONG_CONTEXTS = (16, 8192, 16384, 32768, 65536)
 FIT_FROM = 16384          # the line through the contexts from here on (each doubling adds only its bytes)
 SPLIT_CONTEXTS = (4096, 8192, 16384, 32768)
 SPLIT_COUNTS = (16, 32, 64, 128)
+WIDE_SPLIT_COUNTS = (128, 132, 160, 176, 181)   # 1 x 32768 past MAX_SPLITS (fp8: 11 programs an SM fit 181)
+PER_SM_COUNTS = (8, 9, 11)          # FP8_PROGRAMS_PER_SM tried by --per-sm
+PER_SM_CASES = ((2, 32768), (4, 16384), (16, 8192), (90, 4096), (64, 4096))   # fp8 decodes (requests, keys)
 # (programs per SM, fp32 elements a step, warps) of the Triton read
 READ_GRIDS = ((1, 8192, 8), (2, 8192, 8), (4, 4096, 8), (8, 2048, 4), (8, 4096, 8), (16, 2048, 4))
+# (programs, or programs per SM when negative; fp32 elements a page; pages a step; warps; TABLE) of the paged read.
+# The fp8 decode of 1 x 32768: 1024 programs of one warp, a 16-key tile = 4 KB of K and V a step (two in flight).
+PAGE_READS = ((-16, 2048, 1, 4, 0), (1024, 1024, 1, 1, 0), (1024, 1024, 2, 1, 0), (1024, 1024, 4, 1, 0),
+              (1024, 1024, 2, 2, 0), (1024, 1024, 1, 1, 1), (1024, 1024, 2, 1, 1), (1024, 1024, 1, 1, 2),
+              (1024, 1024, 2, 1, 2), (-16, 1024, 2, 1, 0), (-16, 1024, 2, 1, 2))
 
 
 def _time(spec: bench.Spec, device, reps: int) -> tuple[float, str]:
@@ -97,6 +106,46 @@ def plan_launches(spec: bench.Spec, device):
             Workload(combine, len(sets), 0) if plan.combine is not None else None)
 
 
+def wide_split_sweep(device, ceiling: float, reps: int) -> None:
+    """1 x 32768 forced to each of WIDE_SPLIT_COUNTS, with MAX_SPLITS 256 and a 256-row combine tile patched in."""
+    from torch_dsv4_ops.kernels import attention as kernels
+    from torch_dsv4_ops.ops import attention as ops
+    from torch_dsv4_ops.testing import patched_constants
+    with patched_constants(kernels, [ops._CHUNKED_PLANS], MAX_SPLITS=256, COMBINE_BLOCKS=(8, 32, 128, 256)):
+        for fp8 in (False, True):
+            spec = bench.Spec(1, 32768, fp8)
+            cells = []
+            for splits in WIDE_SPLIT_COUNTS:
+                ops._CHUNKED_PLANS.clear()
+                with ops.forced_decode_splits(splits):
+                    us, check = _time(spec, device, reps)
+                pct = spec.bytes_per_call() / (us * 1e-6) / (ceiling * 1e9) * 100
+                cells.append(f"{splits}: {us:.2f} us {pct:.1f} %{'' if check == 'ok' else ' ' + check}")
+            print(f"wide splits, decode {'fp8' if fp8 else 'bf16'} 1 x 32768: " + " | ".join(cells), flush=True)
+            with ops.forced_decode_splits(WIDE_SPLIT_COUNTS[-1]):
+                times = kernels_alone(spec, device, reps)
+            print(f"  {WIDE_SPLIT_COUNTS[-1]} splits, each replayed alone: "
+                  + ", ".join(f"{k} {v:.2f} us" for k, v in times.items()), flush=True)
+
+
+def per_sm_sweep(device, ceiling: float, reps: int) -> None:
+    """fp8 decodes of PER_SM_CASES and the fp8 mixed step with FP8_PROGRAMS_PER_SM set to each of PER_SM_COUNTS (the
+    plan's one-wave bound on the split count; ptxas gives the benchmark's fp8 decode 208 registers on sm_90 under
+    Triton 3.6, so 9 one-warp programs an SM, where the constant says 11)."""
+    from torch_dsv4_ops.kernels import attention as kernels
+    from torch_dsv4_ops.ops import attention as ops
+    from torch_dsv4_ops.testing import patched_constants
+    specs = [bench.Spec(r, c, True) for r, c in PER_SM_CASES] + [bench.Spec(**bench.MIXED, fp8=True)]
+    for spec in specs:
+        cells = []
+        for per_sm in PER_SM_COUNTS:
+            with patched_constants(kernels, [ops._CHUNKED_PLANS], FP8_PROGRAMS_PER_SM=per_sm):
+                us, check = _time(spec, device, reps)
+            pct = spec.bytes_per_call() / (us * 1e-6) / (ceiling * 1e9) * 100
+            cells.append(f"{per_sm}: {us:.2f} us {pct:.1f} %{'' if check == 'ok' else ' ' + check}")
+        print(f"programs an SM, {spec.name}: " + " | ".join(cells), flush=True)
+
+
 def kernels_alone(spec: bench.Spec, device, reps: int) -> dict:
     """Graph-replay us of the call, of its decode kernel alone and of its combine alone (`plan_launches`)."""
     from torch_dsv4_ops.ops import attention as ops
@@ -151,6 +200,59 @@ def triton_read_us(nbytes: int, device, reps: int) -> tuple[float, str]:
     return best
 
 
+@triton.jit
+def _read_pages_kernel(x_ptr, table_ptr, out_ptr, pages_per_program, PAGE: tl.constexpr, STEP: tl.constexpr,
+                       TABLE: tl.constexpr):
+    """Program p: the sum of its pages_per_program pages of PAGE elements, STEP pages a step. TABLE 0: page j of
+    the program is page p * pages_per_program + j of x; 1: the page that table[...] names, each step's entries
+    loaded in the step (a dependent load before every page); 2: all the program's entries loaded before the loop
+    (one dependent load at the start, as the decode's table chunk)."""
+    p = tl.program_id(0)
+    first = p.to(tl.int64) * pages_per_program
+    acc = tl.zeros([STEP, PAGE], tl.float32)
+    s = tl.arange(0, STEP)
+    e = tl.arange(0, PAGE)
+    if TABLE == 2:
+        ids = tl.load(table_ptr + first + tl.arange(0, 64), mask=tl.arange(0, 64) < pages_per_program, other=0)
+    for j in range(0, pages_per_program, STEP):
+        if TABLE == 1:
+            page = tl.load(table_ptr + first + j + s).to(tl.int64)
+        elif TABLE == 2:
+            page = tl.gather(ids, j + s, 0).to(tl.int64)
+        else:
+            page = first + j + s
+        acc += tl.load(x_ptr + page[:, None] * PAGE + e[None, :])
+    tl.store(out_ptr + p, tl.sum(tl.sum(acc, 1), 0))
+
+
+def page_read_sweep(nbytes: int, device, reps: int, ceiling: float) -> None:
+    """`_read_pages_kernel` over PAGE_READS, reading at least `nbytes` of fp32 in each shape."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    n = rotation_sets(nbytes, device)
+    for programs, page, step, warps, table in PAGE_READS:
+        programs = -programs * sms if programs < 0 else programs
+        per_program = -(-nbytes // (4 * programs * page * step)) * step
+        if table == 2 and per_program > 64:
+            continue
+        total = per_program * programs * page
+        bufs = [torch.rand(total, device=device) for _ in range(n)]
+        tables = [torch.randperm(per_program * programs, device=device, dtype=torch.int32) for _ in range(n)]
+        out = torch.empty(programs, device=device)
+
+        def run(i: int) -> None:
+            _read_pages_kernel[(programs,)](bufs[i], tables[i], out, per_program, PAGE=page, STEP=step, TABLE=table,
+                                            num_warps=warps)
+
+        run(0)
+        if abs(float(out.double().sum()) - float(bufs[0].double().sum())) > 1e-3 * total:
+            raise RuntimeError("the paged read's sum is wrong")
+        us = time_graph(Workload(run, n, total * 4), reps)
+        print(f"  paged read: {programs} programs of {warps} warps, {per_program} pages of {page * 4} B, {step} a "
+              f"step, table {table}: {us:.2f} us = {total * 4 / us / 1e3 / ceiling * 100:.1f} % of read "
+              f"({total * 4 / 1e6:.1f} MB)", flush=True)
+        del bufs, tables
+
+
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares (intercept us, slope us per key) of (keys, us) points."""
     n = len(points)
@@ -164,6 +266,11 @@ def main() -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.probe_attention_parts", description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--reads-only", action="store_true", help="the single-request decodes and the reads only")
+    p.add_argument("--read-shapes", action="store_true", help="only the paged reads of the fp8 1 x 32768 bytes")
+    p.add_argument("--per-sm", action="store_true",
+                   help="only fp8 decodes of PER_SM_CASES and the fp8 mixed step with FP8_PROGRAMS_PER_SM patched")
+    p.add_argument("--wide-splits", action="store_true",
+                   help="only 1 x 32768 with MAX_SPLITS 256 (a 256-row combine tile) and WIDE_SPLIT_COUNTS forced")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("probe_attention_parts: needs a CUDA GPU")
@@ -173,6 +280,16 @@ def main() -> int:
     ceiling = ceilings["read_ceiling"]["gbps"]
     print(f"device {torch.cuda.get_device_name()}, read ceiling {ceiling:.1f} GB/s, bf16 matmul "
           f"{ceilings['matmul_ceiling']['tflops']:.1f} TFLOP/s")
+    if args.per_sm:
+        per_sm_sweep(device, ceiling, args.reps)
+        return 0
+    if args.wide_splits:
+        wide_split_sweep(device, ceiling, args.reps)
+        return 0
+    if args.read_shapes:
+        spec = bench.Spec(1, 32768, True)
+        page_read_sweep(spec.decode_ctx * spec.kv_bytes_per_token(), device, args.reps, ceiling)
+        return 0
     for fp8 in (False, True):
         kind = "fp8" if fp8 else "bf16"
         points = []

@@ -215,3 +215,22 @@ def test_attention_parts_probe_read_kernel_sums_each_part():
     out = torch.empty(6, device=device)
     probe._read_parts_kernel[(6,)](x, out, 3 * 64, BLOCK=64)
     torch.testing.assert_close(out, x.view(6, -1).sum(1))
+
+
+@pytest.mark.parametrize("table", [0, 1, 2])
+@pytest.mark.parametrize("step", [1, 2])
+def test_attention_parts_probe_paged_read_sums_its_pages(table, step):
+    """The probe's paged read: program p sums its pages, in place (table 0) or as the page table names them (1, 2)."""
+    import torch
+
+    from benchmarks import probe_attention_parts as probe
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    programs, per_program, page = 3, 4, 32
+    x = torch.rand(programs * per_program * page, device=device)
+    ids = torch.randperm(programs * per_program, device=device, dtype=torch.int32)
+    out = torch.empty(programs, device=device)
+    probe._read_pages_kernel[(programs,)](x, ids, out, per_program, PAGE=page, STEP=step, TABLE=table)
+    owned = ids.view(programs, per_program).long() if table else torch.arange(programs * per_program,
+                                                                               device=device).view(programs, -1)
+    torch.testing.assert_close(out, x.view(-1, page)[owned].sum((1, 2)))

@@ -918,7 +918,9 @@ COMBINE_BLOCKS = (8, 32, MAX_SPLITS)   # the combine's partial rows per program 
 MAX_COMBINE_PARTS = 4         # the combine's programs per (request, head) for fp8 caches, at most (combine_parts)
 COMBINE_PART_ELEMENTS = 4096
 PROGRAMS_PER_SM = 4            # decode programs per SM the split count aims at (more: no faster, H100)
-FP8_PROGRAMS_PER_SM = 11       # fp8 caches: the programs of 174 registers an sm_90 SM holds at once
+FP8_PROGRAMS_PER_SM = 11       # fp8 caches: the programs of 174 registers an sm_90 SM holds at once (2026-11-27;
+                               # 208 registers and 9 an SM since, under Triton 3.6: NOTES.md "Shorter splits
+                               # for a short request" items 7-8, where 9 waits on a GPU run)
 FLOAT_CHUNK_PROGRAMS_PER_SM = 8   # float caches in the table-chunk loop: 249 registers (sm_90)
 
 
