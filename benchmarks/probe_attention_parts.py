@@ -3,16 +3,19 @@
 Diagnostics (CUDA-graph replay over rotated inputs, each attention case checked against the float64 reference first):
 - one request decoding over contexts of 16 .. 65536 keys (bf16 and fp8 caches): the time against the context, with
   the line through the longest contexts (its slope as GB/s, its intercept as the call's fixed cost), the best
-  share of the read ceiling a call of that fixed cost can reach at 32768 keys, and what a plain read of the same
-  bytes reaches (`torch.sum` over rotated buffers, in a graph; and a one-wave Triton read, each program summing
-  one contiguous part, at the best of READ_GRIDS); and the call's two kernels (the split decode, the combine of its
-  partial rows) each replayed alone; and (`--read-shapes`) the Triton read of the fp8 call's bytes in pages shaped
-  as the decode's: its grid, a page a step, one warp, the pages in place or through a page table (PAGE_READS);
+  share of the read ceiling a call of that fixed cost can reach at 32768 keys; what a plain read of the same
+  bytes reaches (`torch.sum` over rotated buffers, and a one-wave Triton read, each program summing one contiguous
+  part, at the best of READ_GRIDS); the call's two kernels (the split decode, the combine of its partial rows)
+  each replayed alone (`--reads-only`: this part only);
 - one request over contexts of 4096 .. 32768 keys with the split count forced (`forced_decode_splits`) to the
-  plan's and to each of SPLIT_COUNTS: what the plan's bound of MIN_KEYS_PER_SPLIT keys a split costs a request too
-  short to fill the GPU with splits of that size;
+  plan's and to each of SPLIT_COUNTS: what the plan's bound on the keys of a split costs a request too short to
+  fill the GPU with splits of that size;
 - the mixed step of the benchmark next to its two parts timed alone (its decodes, its prefills), since the two
   kernels cannot share an SM and their times add up.
+Alone, instead of those: `--read-shapes`, the Triton read of the fp8 call's bytes in 4 KB pages shaped as the
+decode's (its grid, pages a step, warps, the pages in place or through a page table: PAGE_READS); `--wide-splits`,
+1 x 32768 past MAX_SPLITS (WIDE_SPLIT_COUNTS, a 256-row combine tile patched in); `--per-sm`, fp8 decodes whose
+plans pass one wave at 9 programs an SM, with FP8_PROGRAMS_PER_SM patched to each of PER_SM_COUNTS.
 Not a benchmark: `NOTES.md` cites its output.
 """
 from __future__ import annotations
@@ -34,7 +37,7 @@ LONG_CONTEXTS = (16, 8192, 16384, 32768, 65536)
 FIT_FROM = 16384          # the line through the contexts from here on (each doubling adds only its bytes)
 SPLIT_CONTEXTS = (4096, 8192, 16384, 32768)
 SPLIT_COUNTS = (16, 32, 64, 128)
-WIDE_SPLIT_COUNTS = (128, 132, 160, 176, 181)   # 1 x 32768 past MAX_SPLITS (fp8: 11 programs an SM fit 181)
+WIDE_SPLIT_COUNTS = (128, 132, 160, 176, 181)   # 1 x 32768 up to 181 splits (11 programs an SM)
 PER_SM_COUNTS = (8, 9, 11)          # FP8_PROGRAMS_PER_SM tried by --per-sm
 PER_SM_CASES = ((2, 32768), (4, 16384), (16, 8192), (90, 4096), (64, 4096))   # fp8 decodes (requests, keys)
 # (programs per SM, fp32 elements a step, warps) of the Triton read
@@ -315,8 +318,6 @@ def main() -> int:
         times = kernels_alone(bench.Spec(1, 32768, fp8), device, args.reps)
         print("  1 x 32768, each replayed alone: " + ", ".join(f"{k} {v:.2f} us" for k, v in times.items()),
               flush=True)
-        if args.reads_only:
-            continue
     if args.reads_only:
         return 0
     split_sweep(device, ceiling, args.reps)
