@@ -919,10 +919,10 @@ MAX_COMBINE_PARTS = 4         # the combine's programs per (request, head) for f
 COMBINE_PART_ELEMENTS = 4096
 PROGRAMS_PER_SM = 4            # decode programs per SM the split count aims at (more: no faster, H100)
 FP8_PROGRAMS_PER_SM = 11       # fp8 caches: the programs of 174 registers an sm_90 SM holds at once (2026-11-27;
-                               # since: 208 registers, 9 an SM, under Triton 3.6, 168 and 12 under 3.9: NOTES.md
+                               # since: 208 registers, 9 an SM, under Triton 3.6, 168 and 12 under 3.7-3.9: NOTES.md
                                # "Shorter splits for a short request" items 7-8, where a change waits on a GPU run)
-FLOAT_CHUNK_PROGRAMS_PER_SM = 8   # float caches in the table-chunk loop: 249 registers (sm_90, Triton 3.6; 222 and 9
-                                  # an SM under 3.9)
+FLOAT_CHUNK_PROGRAMS_PER_SM = 8   # float caches in the table-chunk loop: 249 registers (sm_90, Triton 3.6; 216-222
+                                  # and 9 an SM under 3.7-3.9)
 
 
 def table_chunk(bs: int, block_n: int, target: platform.Target) -> tuple[int, int]:
