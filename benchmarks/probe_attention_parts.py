@@ -15,7 +15,8 @@ Diagnostics (CUDA-graph replay over rotated inputs, each attention case checked 
 Alone, instead of those: `--read-shapes`, the Triton read of the fp8 call's bytes in 4 KB pages shaped as the
 decode's (its grid, pages a step, warps, the pages in place or through a page table: PAGE_READS); `--wide-splits`,
 1 x 32768 past MAX_SPLITS (WIDE_SPLIT_COUNTS, a 256-row combine tile patched in); `--per-sm`, fp8 decodes whose
-plans pass one wave at 9 programs an SM, with FP8_PROGRAMS_PER_SM patched to each of PER_SM_COUNTS.
+plans pass one wave at 9 programs an SM, with FP8_PROGRAMS_PER_SM patched to each of PER_SM_COUNTS. With any of
+them, `--maxnreg N` caps the fp8-cache decode's registers at N and sets FP8_PROGRAMS_PER_SM to what N fits.
 Not a benchmark: `NOTES.md` cites its output.
 """
 from __future__ import annotations
@@ -149,6 +150,19 @@ def per_sm_sweep(device, ceiling: float, reps: int) -> None:
         print(f"programs an SM, {spec.name}: " + " | ".join(cells), flush=True)
 
 
+def fp8_register_cap(maxnreg: int):
+    """A `decode_constexprs` that also caps the fp8-cache decode's registers at `maxnreg` (Triton's `maxnreg`
+    compile option; ptxas of the sm_90 build under Triton 3.6: 208 registers uncapped, 12 bytes of spill stores at
+    168 or 160, 108 at 144): for `--maxnreg`, with FP8_PROGRAMS_PER_SM raised to what the cap fits."""
+    from torch_dsv4_ops.kernels import attention as kernels
+    original = kernels.decode_constexprs
+
+    def decode_constexprs(*args, **kwargs):
+        meta = original(*args, **kwargs)
+        return dict(meta, maxnreg=maxnreg) if meta["KV_FP8"] != 0 else meta
+    return decode_constexprs
+
+
 def kernels_alone(spec: bench.Spec, device, reps: int) -> dict:
     """Graph-replay us of the call, of its decode kernel alone and of its combine alone (`plan_launches`)."""
     from torch_dsv4_ops.ops import attention as ops
@@ -272,6 +286,8 @@ def main() -> int:
     p.add_argument("--read-shapes", action="store_true", help="only the paged reads of the fp8 1 x 32768 bytes")
     p.add_argument("--per-sm", action="store_true",
                    help="only fp8 decodes of PER_SM_CASES and the fp8 mixed step with FP8_PROGRAMS_PER_SM patched")
+    p.add_argument("--maxnreg", type=int, default=None,
+                   help="cap the fp8-cache decode's registers (and set FP8_PROGRAMS_PER_SM to what fits) for the run")
     p.add_argument("--wide-splits", action="store_true",
                    help="only 1 x 32768 with MAX_SPLITS 256 (a 256-row combine tile) and WIDE_SPLIT_COUNTS forced")
     args = p.parse_args()
@@ -283,6 +299,20 @@ def main() -> int:
     ceiling = ceilings["read_ceiling"]["gbps"]
     print(f"device {torch.cuda.get_device_name()}, read ceiling {ceiling:.1f} GB/s, bf16 matmul "
           f"{ceilings['matmul_ceiling']['tflops']:.1f} TFLOP/s")
+    with contextlib.ExitStack() as stack:
+        if args.maxnreg:
+            from torch_dsv4_ops.kernels import attention as kernels
+            from torch_dsv4_ops.ops import attention as ops
+            from torch_dsv4_ops.testing import patched_constants
+            per_sm = 65536 // (-(-args.maxnreg // 8) * 8 * 32)     # one-warp programs an SM by registers
+            print(f"fp8-cache decode capped at {args.maxnreg} registers, FP8_PROGRAMS_PER_SM {per_sm}")
+            stack.enter_context(patched_constants(kernels, [ops._CHUNKED_PLANS], FP8_PROGRAMS_PER_SM=per_sm,
+                                                  decode_constexprs=fp8_register_cap(args.maxnreg)))
+        return run_sections(args, device, ceiling, ceilings)
+
+
+def run_sections(args, device, ceiling: float, ceilings: dict) -> int:
+    """The sections `args` asks for (see the module docstring)."""
     if args.per_sm:
         per_sm_sweep(device, ceiling, args.reps)
         return 0

@@ -234,3 +234,20 @@ def test_attention_parts_probe_paged_read_sums_its_pages(table, step):
     owned = ids.view(programs, per_program).long() if table else torch.arange(programs * per_program,
                                                                                device=device).view(programs, -1)
     torch.testing.assert_close(out, x.view(-1, page)[owned].sum((1, 2)))
+
+
+def test_attention_parts_probe_register_cap_is_fp8_only():
+    """`--maxnreg` caps the fp8-cache decode's registers (Triton's maxnreg option in its launch meta), not others."""
+    import torch
+
+    from benchmarks import probe_attention_parts as probe
+    from torch_dsv4_ops import layout, platform
+    from torch_dsv4_ops.kernels import attention as kernels
+
+    target = platform.target_for(torch.device("cpu"))
+    capped = probe.fp8_register_cap(168)
+    for kv_fmt, expect in ((layout.E4M3FN, 168), (None, None)):
+        geo = kernels.Geometry(32, 8, 128, 16, 8 if kv_fmt is None else 16, True)
+        numerics = kernels.make_numerics(torch.bfloat16, kv_fmt, torch.bfloat16, target)
+        tiles = kernels.decode_tiles(geo, torch.bfloat16, kv_fmt is not None, target)
+        assert capped(geo, kernels.Features(), numerics, tiles, 2).get("maxnreg") == expect
