@@ -8,7 +8,6 @@ fp32 -> bf16 rounding goes through kernels/fp8.py, whose software codec the inte
 codes and every finite bf16 value); masks are built from tensors only; no autotune, no
 make_block_ptr; test grids stay at a few dozen programs. numpy comes with the package's install.
 """
-import collections
 import json
 import os
 import pathlib
@@ -27,6 +26,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # triton 3.9 warns when
 import pytest  # noqa: E402
 
 import torch_dsv4_ops  # noqa: E402,F401  (registers the ops)
+from torch_dsv4_ops.testing import shard_members  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICES = ["cuda"] if GPU else ["cpu"]
@@ -44,22 +44,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
     # the compile-matrix tests last: they wait for the matrix started in the background at collection
     items.sort(key=_is_matrix_test)
-    # DSV4_TEST_SHARD=k/n keeps every n-th test from the k-th: scripts/gpu_suite.sh runs the attention
-    # tests as parallel shards (their Triton compiles dominate, and each process compiles on its own core).
-    # The reference variants are counted apart from the rest: they alternate with the kernel variants and skip
-    # on a GPU, so one count over both gave the odd shards every kernel test (2026-11-28 H200: 4 of 8 attention
-    # shards past their 300 s, the others done in 60).
+    # DSV4_TEST_SHARD=k/n keeps shard k of n (`testing.shard_members`): scripts/gpu_suite.sh runs the attention
+    # tests as parallel shards (their Triton compiles dominate, and each process compiles on its own core)
     shard = os.environ.get("DSV4_TEST_SHARD")
     if shard:
         k, n = (int(v) for v in shard.split("/"))
-        seen = collections.Counter()
-        kept = []
-        for item in items:
-            group = "reference" in item.nodeid
-            if seen[group] % n == k:
-                kept.append(item)
-            seen[group] += 1
-        items[:] = kept
+        members = shard_members([item.nodeid for item in items], k, n)
+        items[:] = [item for item, member in zip(items, members) if member]
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -287,6 +287,19 @@ def patched_constants(module, plans: Iterable[dict] = (), **constants):
             cache.clear()
 
 
+def shard_members(test_ids: Sequence[str], shard: int, shards: int) -> list[bool]:
+    """Which of `test_ids` (in collection order) shard `shard` of `shards` runs (DSV4_TEST_SHARD, tests/conftest.py):
+    every `shards`-th test, the reference tests counted apart from the rest. They alternate with the kernel tests
+    and skip on a GPU, so one count over both gave half the shards every kernel test."""
+    seen = {False: 0, True: 0}
+    members = []
+    for test_id in test_ids:
+        group = "reference" in test_id
+        members.append(seen[group] % shards == shard)
+        seen[group] += 1
+    return members
+
+
 def nonzero_share(t: torch.Tensor) -> float:
     """Fraction of non-zero bytes: guards against fp8 caches that silently hold only zeros."""
     b = as_bytes(t.cpu())
