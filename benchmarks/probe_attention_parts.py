@@ -39,7 +39,7 @@ FIT_FROM = 16384          # the line through the contexts from here on (each dou
 SPLIT_CONTEXTS = (4096, 8192, 16384, 32768)
 SPLIT_COUNTS = (16, 32, 64, 128)
 WIDE_SPLIT_COUNTS = (128, 132, 160, 176, 181)   # 1 x 32768 up to 181 splits (11 programs an SM)
-PER_SM_COUNTS = (8, 9, 11)          # FP8_PROGRAMS_PER_SM tried by --per-sm
+PER_SM_COUNTS = (8, 9, 11, 12)      # FP8_PROGRAMS_PER_SM tried by --per-sm
 PER_SM_CASES = ((2, 32768), (4, 16384), (16, 8192), (90, 4096), (64, 4096))   # fp8 decodes (requests, keys)
 # (programs per SM, fp32 elements a step, warps) of the Triton read
 READ_GRIDS = ((1, 8192, 8), (2, 8192, 8), (4, 4096, 8), (8, 2048, 4), (8, 4096, 8), (16, 2048, 4))
