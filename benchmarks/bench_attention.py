@@ -80,13 +80,18 @@ class Spec:
                     table="random physical blocks")
 
 
-def build(s: Spec, device) -> harness.Workload:
-    """Input sets (caches, tables, queries) rotated so that together they exceed L2 (two at least)."""
+def input_sets(s: Spec, device) -> list[tuple]:
+    """The call's arguments (caches, tables, queries: `example_batch`), as many sets as together exceed L2 (two at
+    least), each drawn with its own seed."""
     from torch_dsv4_ops.ops.attention import example_batch
 
-    nsets = harness.rotation_sets(s.bytes_per_call(), device)
-    sets = [example_batch(s.query_lens(), s.seq_lens(), hq=HQ, hkv=HKV, dim=D, bs=BS, fp8=s.fp8, seed=1 + i,
-                          device=device) for i in range(nsets)]
+    return [example_batch(s.query_lens(), s.seq_lens(), hq=HQ, hkv=HKV, dim=D, bs=BS, fp8=s.fp8, seed=1 + i,
+                          device=device) for i in range(harness.rotation_sets(s.bytes_per_call(), device))]
+
+
+def build(s: Spec, device) -> harness.Workload:
+    """The call over `input_sets`, rotated."""
+    sets = input_sets(s, device)
 
     def run(i: int) -> None:
         torch_dsv4_ops.chunked_prefill_paged_decode(*sets[i])
@@ -94,7 +99,7 @@ def build(s: Spec, device) -> harness.Workload:
     def check() -> str:
         return _check(sets[0], s)
 
-    return harness.Workload(run, nsets, s.bytes_per_call(), check)
+    return harness.Workload(run, len(sets), s.bytes_per_call(), check)
 
 
 def _check(args, s: Spec) -> str:

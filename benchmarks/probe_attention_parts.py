@@ -30,9 +30,13 @@ import triton.language as tl
 
 import torch_dsv4_ops
 from torch_dsv4_ops import platform
+from torch_dsv4_ops.kernels import attention as kernels
+from torch_dsv4_ops.ops import attention as ops
+from torch_dsv4_ops.testing import patched_constants
 
 from . import bench_attention as bench
 from .harness import Workload, read_matmul_ceilings, rotation_sets, time_graph
+from .probe_registers import programs_per_sm
 
 LONG_CONTEXTS = (16, 8192, 16384, 32768, 65536)
 FIT_FROM = 16384          # the line through the contexts from here on (each doubling adds only its bytes)
@@ -50,6 +54,17 @@ PAGE_READS = ((-16, 2048, 1, 4, 0), (1024, 1024, 1, 1, 0), (1024, 1024, 2, 1, 0)
               (1024, 1024, 2, 1, 2), (-16, 1024, 2, 1, 0), (-16, 1024, 2, 1, 2))
 
 
+def _pct(spec: bench.Spec, us: float, ceiling: float) -> float:
+    """A call's bytes over `us` as a share of the read ceiling (GB/s), in %."""
+    return spec.bytes_per_call() / (us * 1e-6) / (ceiling * 1e9) * 100
+
+
+def _cell(label, spec: bench.Spec, device, reps: int, ceiling: float) -> str:
+    """`label: us, % of read` of one timed call, with its check's message unless it is ok."""
+    us, check = _time(spec, device, reps)
+    return f"{label}: {us:.2f} us {_pct(spec, us, ceiling):.1f} %{'' if check == 'ok' else ' ' + check}"
+
+
 def _time(spec: bench.Spec, device, reps: int) -> tuple[float, str]:
     w = bench.build(spec, device)
     check = w.check()
@@ -58,8 +73,6 @@ def _time(spec: bench.Spec, device, reps: int) -> tuple[float, str]:
 
 def split_sweep(device, ceiling: float, reps: int) -> None:
     """One request's decode with the split count the plan picks, then forced to each of SPLIT_COUNTS."""
-    from torch_dsv4_ops.kernels import attention as kernels
-    from torch_dsv4_ops.ops import attention as ops
     for fp8 in (False, True):
         for ctx in SPLIT_CONTEXTS:
             spec = bench.Spec(1, ctx, fp8)
@@ -71,13 +84,8 @@ def split_sweep(device, ceiling: float, reps: int) -> None:
             cells = []
             for splits in (None, *SPLIT_COUNTS):
                 ops._CHUNKED_PLANS.clear()
-                with contextlib.ExitStack() as stack:
-                    if splits is not None:
-                        stack.enter_context(ops.forced_decode_splits(splits))
-                    us, check = _time(spec, device, reps)
-                pct = spec.bytes_per_call() / (us * 1e-6) / (ceiling * 1e9) * 100
-                label = f"plan {plan}" if splits is None else str(splits)
-                cells.append(f"{label}: {us:.2f} us {pct:.1f} %{'' if check == 'ok' else ' ' + check}")
+                with contextlib.nullcontext() if splits is None else ops.forced_decode_splits(splits):
+                    cells.append(_cell(f"plan {plan}" if splits is None else splits, spec, device, reps, ceiling))
             ops._CHUNKED_PLANS.clear()
             print(f"splits, decode {'fp8' if fp8 else 'bf16'} 1 x {ctx:5d}: " + " | ".join(cells), flush=True)
 
@@ -86,10 +94,7 @@ def plan_launches(spec: bench.Spec, device):
     """(sets, call, decode, combine) of a benchmark case: its rotated input sets (the op's arguments), and Workloads
     of the op, of its plan's decode launch alone and of its combine launch alone (None when the plan does not
     split) over them."""
-    from torch_dsv4_ops.ops import attention as ops
-    sets = [ops.example_batch(spec.query_lens(), spec.seq_lens(), hq=bench.HQ, hkv=bench.HKV, dim=bench.D,
-                              bs=bench.BS, fp8=spec.fp8, seed=1 + i, device=device)
-            for i in range(rotation_sets(spec.bytes_per_call(), device))]
+    sets = bench.input_sets(spec, device)
     ops._CHUNKED_PLANS.clear()
     ops._chunked_kernel(*sets[0])        # the kernel path's plan (what the op runs on a GPU)
     (plan,) = ops._CHUNKED_PLANS.values()
@@ -112,9 +117,6 @@ def plan_launches(spec: bench.Spec, device):
 
 def wide_split_sweep(device, ceiling: float, reps: int) -> None:
     """1 x 32768 forced to each of WIDE_SPLIT_COUNTS, with MAX_SPLITS 256 and a 256-row combine tile patched in."""
-    from torch_dsv4_ops.kernels import attention as kernels
-    from torch_dsv4_ops.ops import attention as ops
-    from torch_dsv4_ops.testing import patched_constants
     with patched_constants(kernels, [ops._CHUNKED_PLANS], MAX_SPLITS=256, COMBINE_BLOCKS=(8, 32, 128, 256)):
         for fp8 in (False, True):
             spec = bench.Spec(1, 32768, fp8)
@@ -122,9 +124,7 @@ def wide_split_sweep(device, ceiling: float, reps: int) -> None:
             for splits in WIDE_SPLIT_COUNTS:
                 ops._CHUNKED_PLANS.clear()
                 with ops.forced_decode_splits(splits):
-                    us, check = _time(spec, device, reps)
-                pct = spec.bytes_per_call() / (us * 1e-6) / (ceiling * 1e9) * 100
-                cells.append(f"{splits}: {us:.2f} us {pct:.1f} %{'' if check == 'ok' else ' ' + check}")
+                    cells.append(_cell(splits, spec, device, reps, ceiling))
             print(f"wide splits, decode {'fp8' if fp8 else 'bf16'} 1 x 32768: " + " | ".join(cells), flush=True)
             with ops.forced_decode_splits(WIDE_SPLIT_COUNTS[-1]):
                 times = kernels_alone(spec, device, reps)
@@ -136,17 +136,12 @@ def per_sm_sweep(device, ceiling: float, reps: int) -> None:
     """fp8 decodes of PER_SM_CASES and the fp8 mixed step with FP8_PROGRAMS_PER_SM set to each of PER_SM_COUNTS (the
     plan's one-wave bound on the split count; ptxas gives the benchmark's fp8 decode 208 registers on sm_90 under
     Triton 3.6, so 9 one-warp programs an SM, where the constant says 11)."""
-    from torch_dsv4_ops.kernels import attention as kernels
-    from torch_dsv4_ops.ops import attention as ops
-    from torch_dsv4_ops.testing import patched_constants
     specs = [bench.Spec(r, c, True) for r, c in PER_SM_CASES] + [bench.Spec(**bench.MIXED, fp8=True)]
     for spec in specs:
         cells = []
         for per_sm in PER_SM_COUNTS:
             with patched_constants(kernels, [ops._CHUNKED_PLANS], FP8_PROGRAMS_PER_SM=per_sm):
-                us, check = _time(spec, device, reps)
-            pct = spec.bytes_per_call() / (us * 1e-6) / (ceiling * 1e9) * 100
-            cells.append(f"{per_sm}: {us:.2f} us {pct:.1f} %{'' if check == 'ok' else ' ' + check}")
+                cells.append(_cell(per_sm, spec, device, reps, ceiling))
         print(f"programs an SM, {spec.name}: " + " | ".join(cells), flush=True)
 
 
@@ -154,7 +149,6 @@ def fp8_register_cap(maxnreg: int):
     """A `decode_constexprs` that also caps the fp8-cache decode's registers at `maxnreg` (Triton's `maxnreg`
     compile option; ptxas of the sm_90 build under Triton 3.6: 208 registers uncapped, 12 bytes of spill stores at
     168 or 160, 108 at 144): for `--maxnreg`, with FP8_PROGRAMS_PER_SM raised to what the cap fits."""
-    from torch_dsv4_ops.kernels import attention as kernels
     original = kernels.decode_constexprs
 
     def decode_constexprs(*args, **kwargs):
@@ -165,7 +159,6 @@ def fp8_register_cap(maxnreg: int):
 
 def kernels_alone(spec: bench.Spec, device, reps: int) -> dict:
     """Graph-replay us of the call, of its decode kernel alone and of its combine alone (`plan_launches`)."""
-    from torch_dsv4_ops.ops import attention as ops
     _, call, decode, combine = plan_launches(spec, device)
     times = {"call": time_graph(call, reps), "decode kernel": time_graph(decode, reps)}
     if combine is not None:
@@ -299,15 +292,12 @@ def main() -> int:
     ceiling = ceilings["read_ceiling"]["gbps"]
     print(f"device {torch.cuda.get_device_name()}, read ceiling {ceiling:.1f} GB/s, bf16 matmul "
           f"{ceilings['matmul_ceiling']['tflops']:.1f} TFLOP/s")
-    with contextlib.ExitStack() as stack:
-        if args.maxnreg:
-            from torch_dsv4_ops.kernels import attention as kernels
-            from torch_dsv4_ops.ops import attention as ops
-            from torch_dsv4_ops.testing import patched_constants
-            per_sm = 65536 // (-(-args.maxnreg // 8) * 8 * 32)     # one-warp programs an SM by registers
-            print(f"fp8-cache decode capped at {args.maxnreg} registers, FP8_PROGRAMS_PER_SM {per_sm}")
-            stack.enter_context(patched_constants(kernels, [ops._CHUNKED_PLANS], FP8_PROGRAMS_PER_SM=per_sm,
-                                                  decode_constexprs=fp8_register_cap(args.maxnreg)))
+    if not args.maxnreg:
+        return run_sections(args, device, ceiling, ceilings)
+    per_sm = programs_per_sm(1, args.maxnreg, 0, 90)     # one-warp programs an sm_90 SM, by registers
+    print(f"fp8-cache decode capped at {args.maxnreg} registers, FP8_PROGRAMS_PER_SM {per_sm}")
+    with patched_constants(kernels, [ops._CHUNKED_PLANS], FP8_PROGRAMS_PER_SM=per_sm,
+                           decode_constexprs=fp8_register_cap(args.maxnreg)):
         return run_sections(args, device, ceiling, ceilings)
 
 
@@ -330,7 +320,7 @@ def run_sections(args, device, ceiling: float, ceilings: dict) -> int:
             spec = bench.Spec(1, ctx, fp8)
             us, check = _time(spec, device, args.reps)
             points.append((ctx, us))
-            pct = spec.bytes_per_call() / (us * 1e-6) / (ceiling * 1e9) * 100
+            pct = _pct(spec, us, ceiling)
             print(f"decode {kind} 1 x {ctx:6d}: {us:8.2f} us  {pct:5.1f} % of read  {check}", flush=True)
         intercept, slope = fit([pt for pt in points if pt[0] >= FIT_FROM])
         per_key = bench.Spec(1, 1, fp8).kv_bytes_per_token()
